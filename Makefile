@@ -1,0 +1,28 @@
+# Two commands: `make demo` and `make test`. Each creates .venv on first use.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip --disable-pip-version-check
+STAMP := $(VENV)/.installed
+EXTRAS ?= test
+
+.PHONY: demo test venv clean
+
+venv: $(STAMP)
+
+# torch is installed first and alone, pinned, so that no other requirement can pull a CUDA build.
+$(STAMP): setup.py requirements/constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c requirements/constraints.txt torch==2.13.0
+	$(PIP) install -q -c requirements/constraints.txt -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m megatron_calibclip.demo --tp 2
+
+clean:
+	rm -rf $(VENV) build *.egg-info

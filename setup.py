@@ -1,0 +1,39 @@
+"""Packaging for megatron-calibclip.
+
+`patches/` is a top-level folder of the repository (so the changes we make to megatron-core
+are visible at a glance) that is installed as the sub-package ``megatron_calibclip.patches``.
+"""
+from setuptools import find_packages, setup
+
+CORE = [
+    "megatron-core>=0.15,<0.17",  # 0.16.1 is tested; see requirements/constraints.txt
+    "torch==2.13.0",  # pinned: see requirements/constraints.txt
+    "numpy",
+    "pyyaml",
+    "safetensors",
+    "sentencepiece",
+]
+
+EXTRAS = {
+    # Transformer Engine FP8 kernels; needs CUDA (never install on a CPU machine: a TE without
+    # CUDA makes `import megatron.core` fail). NVIDIA apex is optional and not on PyPI; the
+    # PyPI package called `apex` is an unrelated web toolkit and must never be installed.
+    "gpu": ["transformer-engine[pytorch]"],
+    # Hugging Face conversion checks and GGUF loading of SmolLM2.
+    "hf": ["transformers>=4.50", "gguf", "accelerate"],
+    "test": ["pytest>=8", "pytest-timeout", "hypothesis"],
+}
+
+setup(
+    name="megatron-calibclip",
+    version="0.1.0",
+    description="Stable full-pipeline FP8 RL (GRPO/DAPO) with Calibrated Clipping on megatron-core",
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["megatron_calibclip", "megatron_calibclip.*"])
+    + ["megatron_calibclip.patches"],
+    package_dir={"megatron_calibclip.patches": "patches"},
+    package_data={"megatron_calibclip": ["configs/*.yaml"]},
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["calibclip=megatron_calibclip.cli:main"]},
+)

@@ -1,0 +1,16 @@
+"""Shared fixtures: the distributed pool manager (see tests/harness.py)."""
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from tests.harness import PoolManager  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def dist_pool():
+    """`dist_pool(n)` -> a live DistributedPool of n gloo ranks (reused across tests)."""
+    manager = PoolManager()
+    yield manager
+    manager.close()
