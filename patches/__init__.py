@@ -94,6 +94,14 @@ PROXIED_MODULES: dict[str, list[str]] = {
     ],
     "megatron.core.models.gpt.gpt_model": ["GPTModel._preprocess"],
     "megatron.core.transformer.attention": ["Attention._allocate_memory"],
+    # megatron's DDP (grad buffers, finalize_model_grads) used by the trainer
+    # (communication streams are used only with overlap_grad_reduce, which stays off on CPU)
+    "megatron.core.distributed.param_and_grad_buffer": ["_ParamAndGradBuffer.__init__"],
+    "megatron.core.distributed.distributed_data_parallel": [
+        "DistributedDataParallel.__init__",
+        "DistributedDataParallel.offload_grad_buffers",
+        "DistributedDataParallel.restore_grad_buffers",
+    ],
 }
 
 # Functions replaced or wrapped outright.
@@ -309,6 +317,10 @@ FINGERPRINTS: dict[str, str] = {
     "megatron.core.optimizer.clip_grads:count_zeros_fp32": "1fd2a2cc17103420",
     "megatron.core.models.gpt.gpt_model:GPTModel._preprocess": "c107f8e8f17cb56f",
     "megatron.core.transformer.attention:Attention._allocate_memory": "7fba838b541b5220",
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer.__init__": "500069dac412f151",
+    "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.__init__": "031b2185fccd63b5",
+    "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.offload_grad_buffers": "8da7d51fa5b68ae7",
+    "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.restore_grad_buffers": "eda77f9d9448fa5d",
     "megatron.core.models.common.language_module.language_module:LanguageModule.setup_embeddings_and_output_layer": "e2c7af37cedcf258"
 }
 

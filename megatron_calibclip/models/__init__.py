@@ -1,0 +1,31 @@
+"""GPT builders and layer specs for the policy and the reference model (floor 2)."""
+from megatron_calibclip.models.builder import (
+    build_gpt_model,
+    build_policy_model,
+    build_reference_model,
+    copy_weights,
+    to_transformer_config,
+)
+from megatron_calibclip.models.forward import (
+    forward_logits,
+    position_ids_for,
+    shifted_logprobs_entropy,
+)
+from megatron_calibclip.models.config import PRESETS, ModelConfig, get_preset
+from megatron_calibclip.models.layer_specs import layer_spec, local_layer_spec
+
+__all__ = [
+    "PRESETS",
+    "ModelConfig",
+    "build_gpt_model",
+    "build_policy_model",
+    "build_reference_model",
+    "copy_weights",
+    "forward_logits",
+    "position_ids_for",
+    "shifted_logprobs_entropy",
+    "get_preset",
+    "layer_spec",
+    "local_layer_spec",
+    "to_transformer_config",
+]

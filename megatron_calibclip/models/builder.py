@@ -1,0 +1,143 @@
+"""Build megatron-core GPTModels for the policy and the reference model from a ModelConfig.
+
+The policy trains (fp32 master weights on CPU; what the optimizer wraps on GPU); the
+reference model is frozen, in eval mode, and may be held in BF16. Both come from the same
+builder, so their architectures cannot drift apart. Call inside an initialised
+model-parallel world (megatron_calibclip.parallel.initialize_distributed / model_parallel).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_calibclip.models.config import ModelConfig
+from megatron_calibclip.models.init import initialize_weights
+from megatron_calibclip.models.layer_specs import layer_spec
+
+
+def to_transformer_config(
+    cfg: ModelConfig,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    use_cpu_initialization: Optional[bool] = None,
+    **extra,
+) -> TransformerConfig:
+    """Translate our ModelConfig (+ the current TP/PP sizes) into megatron's TransformerConfig.
+
+    Fusions are off (they are CUDA kernels); dropout is 0 (RL fine-tuning does not use it and
+    it would make log-probs stochastic). `use_cpu_initialization` defaults to True without
+    CUDA: it makes the initial shards independent of TP (same seed -> same full weights).
+    """
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    cfg.check_tensor_parallel(tp)
+    if cfg.num_layers % pp:
+        raise ValueError(f"pipeline-parallel size {pp} must divide num_layers ({cfg.num_layers})")
+    if use_cpu_initialization is None:
+        use_cpu_initialization = not torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg.qkv_bias,
+        qk_layernorm=cfg.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_method_std,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=use_cpu_initialization,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+    )
+    kwargs.update(extra)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(
+    cfg: ModelConfig,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    spec: Optional[ModuleSpec] = None,
+    backend: Optional[str] = None,
+    seed: Optional[int] = None,
+    **config_extra,
+) -> GPTModel:
+    """One pipeline stage of the model described by `cfg` (pre/post process from PP rank).
+
+    seed: if given, weights are drawn by models.init.initialize_weights, so that the same
+    seed gives the same full weights at any TP/PP; if None, megatron's own initialisation.
+    """
+    tconfig = to_transformer_config(cfg, params_dtype=params_dtype, **config_extra)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    model = GPTModel(
+        config=tconfig,
+        transformer_layer_spec=spec if spec is not None else layer_spec(cfg, backend),
+        vocab_size=cfg.padded_vocab_size(tp),
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.rope_theta),
+    )
+    model.calibclip_config = cfg  # what the model was built from (conversion, metrics)
+    if seed is not None:
+        initialize_weights(model, cfg, seed)
+    return model
+
+
+def build_policy_model(cfg: ModelConfig, **kwargs) -> GPTModel:
+    """The trainable policy: fp32 master weights (precision of the GEMMs is a model switch)."""
+    model = build_gpt_model(cfg, **kwargs)
+    model.train()
+    return model
+
+
+def build_reference_model(
+    cfg: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, **kwargs
+) -> GPTModel:
+    """The frozen reference policy (KL anchor), held in `dtype` (BF16 by default)."""
+    model = build_gpt_model(cfg, params_dtype=dtype, **kwargs)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """Copy parameters (same sharding) from src into dst, casting to dst's dtype.
+
+    Used to initialise the reference model from the policy at the start of training.
+    """
+    dst_params = dict(dst.named_parameters())
+    src_params = dict(src.named_parameters())
+    if dst_params.keys() != src_params.keys():
+        missing = sorted(set(src_params) ^ set(dst_params))
+        raise ValueError(f"models differ in parameters: {missing[:5]}")
+    with torch.no_grad():
+        for name, p in src_params.items():
+            dst_params[name].copy_(p.to(dst_params[name].dtype))

@@ -1,0 +1,75 @@
+"""Layer specs: which megatron-core modules make up a decoder layer.
+
+We start from megatron-core's own specs and swap submodules through ModuleSpec (no subclass
+trees): on CPU (or without Transformer Engine) the local spec with SDPAttention as core
+attention; with CUDA and TE, the TE spec. The linear classes of attention and MLP can be
+swapped too: that is where the FP8 layers (emulated or TE) plug in.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+from typing import Optional
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_calibclip.models.attention import SDPAttention
+from megatron_calibclip.models.config import ModelConfig
+
+
+def transformer_engine_available() -> bool:
+    """TE is usable only with CUDA (a TE install without CUDA breaks imports)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def local_layer_spec(
+    cfg: ModelConfig,
+    *,
+    column_linear: type = ColumnParallelLinear,
+    row_linear: type = RowParallelLinear,
+) -> ModuleSpec:
+    """megatron's local spec (RMSNorm, QK-norm as configured) with SDPA core attention and the
+    given linear classes for linear_qkv / linear_fc1 (column) and linear_proj / linear_fc2
+    (row). The output layer and embedding are not part of the layer spec and stay as they are.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = copy.deepcopy(
+        get_gpt_layer_local_spec(qk_layernorm=cfg.qk_norm, normalization="RMSNorm")
+    )
+    attn = spec.submodules.self_attention.submodules
+    attn.core_attention = SDPAttention
+    attn.linear_qkv = column_linear
+    attn.linear_proj = row_linear
+    mlp = spec.submodules.mlp.submodules
+    mlp.linear_fc1 = column_linear
+    mlp.linear_fc2 = row_linear
+    return spec
+
+
+def te_layer_spec(cfg: ModelConfig) -> ModuleSpec:
+    """megatron's Transformer Engine spec (fused norm+linear, TE attention, FP8-capable)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_norm)
+
+
+def layer_spec(
+    cfg: ModelConfig,
+    backend: Optional[str] = None,
+    **linear_classes: type,
+) -> ModuleSpec:
+    """backend: 'te', 'local', or None (TE when TE and CUDA are present, else local)."""
+    if backend is None:
+        backend = "te" if transformer_engine_available() and not linear_classes else "local"
+    if backend == "te":
+        if not transformer_engine_available():
+            raise RuntimeError("the 'te' layer spec needs CUDA and transformer-engine")
+        return te_layer_spec(cfg)
+    if backend != "local":
+        raise ValueError(f"layer spec backend {backend!r} is not one of ['te', 'local']")
+    return local_layer_spec(cfg, **linear_classes)

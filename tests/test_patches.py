@@ -1,0 +1,86 @@
+"""The CPU patches for megatron-core: they match the pinned version and change only what they say."""
+import importlib
+
+import megatron.core
+import pytest
+import torch
+
+from megatron_calibclip import patches
+
+
+def test_pinned_megatron_version():
+    assert megatron.core.__version__ == patches.MADE_FOR_MEGATRON_CORE, (
+        f"patches were made for megatron-core {patches.MADE_FOR_MEGATRON_CORE}, installed "
+        f"{megatron.core.__version__}: run tools/patch_fingerprints.py and review the patches"
+    )
+
+
+def test_every_function_the_patches_rely_on_is_unchanged():
+    changed = {
+        site: (expected, patches.source_fingerprint(site))
+        for site, expected in patches.FINGERPRINTS.items()
+        if patches.source_fingerprint(site) != expected
+    }
+    assert not changed, f"megatron-core changed functions that patches/ relies on: {changed}"
+    assert set(patches.FINGERPRINTS) == set(patches.all_patched_sites())
+
+
+@pytest.mark.parametrize("module_name", sorted(patches.PROXIED_MODULES))
+def test_no_unhandled_cuda_call_sites(module_name):
+    """A new CUDA call site in a proxied module means the patch list must be reviewed."""
+    assert patches.cuda_sites(module_name) == patches.PROXIED_MODULES[module_name]
+
+
+def test_apply_is_idempotent_and_scoped():
+    assert not torch.cuda.is_available()
+    assert patches.apply_cpu_patches() is True
+    assert patches.apply_cpu_patches() is True
+    for name in patches.PROXIED_MODULES:
+        module = importlib.import_module(name)
+        assert isinstance(module.torch, patches._TorchProxy), name
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    # inside a proxied module 'cuda' allocations land on the CPU...
+    assert mappings.torch.cuda.current_device() == torch.device("cpu")
+    assert mappings.torch.empty(3, device="cuda").device.type == "cpu"
+    assert mappings.torch.zeros(2, device=torch.device("cuda")).device.type == "cpu"
+    # ...while torch itself is untouched
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.current_device()
+    assert mappings.torch.float32 is torch.float32
+    assert mappings.torch.distributed is torch.distributed
+
+
+def test_rng_tracker_forks_restore_the_default_state():
+    from megatron.core.tensor_parallel import random as mp_random
+
+    patches.apply_cpu_patches()
+    tracker = mp_random.CudaRNGStatesTracker()
+    torch.manual_seed(0)
+    tracker.add("model-parallel-rng", 123)
+    before = torch.get_rng_state()
+    with tracker.fork("model-parallel-rng"):
+        inside_a = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), before), "fork must restore the default state"
+    with tracker.fork("model-parallel-rng"):
+        inside_b = torch.rand(3)
+    assert not torch.equal(inside_a, inside_b), "the tracked stream must advance"
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(3), inside_a), "the tracked stream is seeded by add()"
+
+
+def test_tensor_cuda_is_identity_only_inside_the_wrapped_method():
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    patches.apply_cpu_patches()
+    method = LanguageModule.setup_embeddings_and_output_layer
+    assert getattr(method, "__calibclip_patched__", False)
+    original = torch.Tensor.cuda
+    seen = {}
+
+    def probe(*args, **kwargs):
+        t = torch.ones(2)
+        seen["same"] = t.cuda() is t
+
+    patches._cuda_is_identity(probe)()
+    assert seen["same"] is True
+    assert torch.Tensor.cuda is original
