@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip --disable-pip-version-check
 STAMP := $(VENV)/.installed
-EXTRAS ?= test
+EXTRAS ?= test,tasks
 
 .PHONY: demo test venv clean
 

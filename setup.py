@@ -21,6 +21,9 @@ EXTRAS = {
     "gpu": ["transformer-engine[pytorch]"],
     # Hugging Face conversion checks and GGUF loading of SmolLM2.
     "hf": ["transformers>=4.50", "gguf", "accelerate"],
+    # Procedural verifiable tasks (chain_sum, basic_arithmetic, countdown, gsm_symbolic) and
+    # their scorers; imported lazily by rl/reasoning_gym_reward.py.
+    "tasks": ["reasoning-gym>=0.1.25"],
     "test": ["pytest>=8", "pytest-timeout", "hypothesis"],
 }
 

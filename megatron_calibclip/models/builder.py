@@ -123,6 +123,9 @@ def build_reference_model(
 ) -> GPTModel:
     """The frozen reference policy (KL anchor), held in `dtype` (BF16 by default)."""
     model = build_gpt_model(cfg, params_dtype=dtype, **kwargs)
+    with torch.no_grad():  # norms are created in fp32 whatever params_dtype says
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
     model.eval()
     model.requires_grad_(False)
     return model

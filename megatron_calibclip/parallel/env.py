@@ -54,8 +54,10 @@ def read_dist_env(env: Mapping[str, str] | None = None) -> DistEnv:
     A partial set of torchrun variables is an error that names the missing ones.
     """
     env = os.environ if env is None else env
+    # MASTER_ADDR / MASTER_PORT alone do not make a torchrun launch: they also override the
+    # SLURM defaults. A torchrun launch is recognised by its rank variables.
     present = [v for v in TORCHRUN_VARS if env.get(v)]
-    if present:
+    if any(env.get(v) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         missing = [v for v in TORCHRUN_VARS if not env.get(v)]
         if missing:
             raise DistributedEnvError(

@@ -49,7 +49,10 @@ def default_backend() -> str:
 
 
 def _create_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store:
-    is_master = env.rank == 0
+    # Under torchrun the elastic agent already serves the store on MASTER_PORT: every rank,
+    # rank 0 included, connects to it as a client.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    is_master = env.rank == 0 and not agent_store
     try:
         return dist.TCPStore(
             env.master_addr,

@@ -39,20 +39,24 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         m = x.max(dim=-1).values
         if world > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        e = torch.exp(x - m.unsqueeze(-1))  # 0 on padding columns
-        safe_x = torch.where(valid_col, x, torch.zeros_like(x))
+        # work with shifted logits x - m (<= 0): the max cancels exactly, which keeps the
+        # entropy log Z - E[x] free of the cancellation error of large logits
+        shifted = torch.where(valid_col, x - m.unsqueeze(-1), torch.zeros_like(x))
+        e = torch.where(valid_col, torch.exp(shifted), torch.zeros_like(x))
         in_shard = (targets >= vocab_start) & (targets < vocab_start + local_v)
         local_idx = (targets - vocab_start).clamp(0, local_v - 1)
-        target_logit = torch.gather(safe_x, -1, local_idx.unsqueeze(-1)).squeeze(-1)
+        target_logit = torch.gather(shifted, -1, local_idx.unsqueeze(-1)).squeeze(-1)
         target_logit = torch.where(in_shard, target_logit, torch.zeros_like(target_logit))
-        stats = torch.stack([e.sum(-1), (e * safe_x).sum(-1), target_logit], dim=0)
+        stats = torch.stack([e.sum(-1), (e * shifted).sum(-1), target_logit], dim=0)
         if world > 1:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
         sum_e, sum_ex, t_logit = stats[0], stats[1], stats[2]
-        log_z = m + torch.log(sum_e)
-        mean_x = sum_ex / sum_e
-        logp = t_logit - log_z
-        entropy = log_z - mean_x
+        log_sum_e = torch.log(sum_e)
+        mean_shifted = sum_ex / sum_e
+        logp = t_logit - log_sum_e
+        entropy = log_sum_e - mean_shifted
+        log_z = m + log_sum_e
+        mean_x = m + mean_shifted
         ctx.save_for_backward(x, log_z, mean_x, local_idx, in_shard, valid_col)
         ctx.input_dtype = logits.dtype
         return logp, entropy
