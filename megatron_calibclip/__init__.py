@@ -1,2 +1,14 @@
 """megatron-calibclip: stable full-pipeline FP8 RL (GRPO/DAPO) with Calibrated Clipping."""
+import warnings as _warnings
+
 __version__ = "0.1.0"
+
+# megatron-core announces its pure-torch fallbacks at import time on every machine without
+# Transformer Engine / Apex (all CPU runs). They are expected there, so they are silenced by
+# exact message; every other warning is left alone.
+for _message in (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed. Falling back to Torch Norm",
+    "When using async grad allreduce it is recommended",
+):
+    _warnings.filterwarnings("ignore", message=_message, category=UserWarning)

@@ -1,0 +1,73 @@
+"""`calibclip`: the command line (the only module that parses command lines).
+
+Subcommands grow with the product: `info` and `presets` now; `train`, `convert`, `plan`,
+`calibrate`, `report` as their issues land.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    import torch
+
+    import megatron_calibclip
+    from megatron_calibclip import patches
+
+    mcore = importlib.util.find_spec("megatron.core")
+    version = "missing"
+    if mcore is not None:
+        import megatron.core
+
+        version = megatron.core.__version__
+    te = importlib.util.find_spec("transformer_engine") is not None
+    print(f"megatron-calibclip {megatron_calibclip.__version__}")
+    print(f"torch {torch.__version__} (CUDA available: {torch.cuda.is_available()})")
+    print(f"megatron-core {version} (patches made for {patches.MADE_FOR_MEGATRON_CORE})")
+    print(f"transformer-engine: {'installed' if te else 'not installed'}")
+    print(f"CPU patches for megatron-core: "
+          f"{'needed' if patches.cpu_patches_needed() else 'not needed (CUDA)'}")
+    return 0
+
+
+def _human(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+def _cmd_presets(args: argparse.Namespace) -> int:
+    from megatron_calibclip.models import PRESETS
+
+    print(f"{'preset':<14} {'family':<6} {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} "
+          f"{'head_dim':>8} {'ffn':>6} {'vocab':>7} {'tied':>5} {'params':>9}")
+    for name, c in PRESETS.items():
+        print(f"{name:<14} {c.family:<6} {c.num_layers:>6} {c.hidden_size:>6} "
+              f"{c.num_attention_heads:>5} {c.num_query_groups:>3} {c.head_dim:>8} "
+              f"{c.ffn_hidden_size:>6} {c.vocab_size:>7} {str(c.tie_embeddings):>5} "
+              f"{_human(c.num_parameters()):>9}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="calibclip",
+        description="Stable full-pipeline FP8 RL (GRPO/DAPO) with Calibrated Clipping",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="versions and what this machine supports")
+    p.set_defaults(func=_cmd_info)
+    p = sub.add_parser("presets", help="the model presets and their architecture numbers")
+    p.set_defaults(func=_cmd_presets)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
