@@ -1,0 +1,133 @@
+"""Generation from the megatron policy itself, with a KV cache, at any TP/PP.
+
+`RolloutEngine` is the seam: the trainer only calls `generate(prompts, params, seed)` and
+gets a RolloutBatch, so an external engine (vLLM / SGLang on GPU clusters) can be added as
+another implementation without touching the trainer.
+
+`MegatronRolloutEngine` uses megatron-core's StaticInferenceContext (its KV cache): one
+prefill over the left-padded prompts, then one token per step, so cost grows linearly
+with the response length. With TP the last-position logits are gathered (b x V, small);
+with PP each step's hidden state is sent stage to stage. The sampled tokens are chosen on
+one rank (last stage, TP rank 0) and broadcast over the model-parallel group, so every rank
+holds the same batch. Deterministic for a seed.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.inference.contexts import StaticInferenceContext
+
+from megatron_calibclip.rollout.batch import RolloutBatch
+from megatron_calibclip.rollout.sampling import SamplingParams, sample_next
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
+                 ) -> RolloutBatch: ...
+
+
+class MegatronRolloutEngine:
+    """KV-cached sampling from a megatron GPTModel stage (this rank's TP shard / PP stage).
+
+    precision: optional factory of a context manager that sets the rollout precision on
+    the model for the duration of generation (e.g. FP8 rollout, BF16 trainer).
+    """
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int, eos_id: int, pad_id: int,
+                 precision: Optional[Callable[[], ContextManager]] = None):
+        self.model = model
+        self.vocab_size = vocab_size
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.precision = precision or contextlib.nullcontext
+        self._sampler_rank: Optional[int] = None
+
+    # ---- model-parallel plumbing ---------------------------------------------------------
+    def _sampler_global_rank(self) -> int:
+        """Global rank of the process that samples: last PP stage, TP rank 0."""
+        if self._sampler_rank is None:
+            me = dist.get_rank()
+            is_sampler = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+            t = torch.tensor([me if is_sampler else -1])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_model_parallel_group())
+            self._sampler_rank = int(t.item())
+        return self._sampler_rank
+
+    def _forward(self, tokens: torch.Tensor, mask: torch.Tensor,
+                 ctx: StaticInferenceContext) -> Optional[torch.Tensor]:
+        """One pipeline pass; returns last-position logits [b, V_padded] on the last stage."""
+        pp = ps.get_pipeline_model_parallel_world_size()
+        b, s = tokens.shape
+        positions = torch.arange(s).unsqueeze(0).expand(b, s) + ctx.sequence_len_offset
+        if pp > 1 and not ps.is_pipeline_first_stage():
+            cfg = self.model.config
+            hidden = torch.empty(s, b, cfg.hidden_size, dtype=cfg.pipeline_dtype)
+            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+            self.model.set_input_tensor(hidden)
+        out = self.model(tokens, positions, mask, inference_context=ctx,
+                         runtime_gather_output=True)
+        if pp > 1 and not ps.is_pipeline_last_stage():
+            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return None
+        return out[:, -1]
+
+    def _choose(self, logits: Optional[torch.Tensor], params: SamplingParams,
+                generator: torch.Generator, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        src = self._sampler_global_rank()
+        packed = torch.zeros(2, b, dtype=torch.float64)
+        if dist.get_rank() == src:
+            tok, lp = sample_next(logits[:, : self.vocab_size], params, generator)
+            packed[0], packed[1] = tok.double(), lp.double()
+        if dist.get_world_size(ps.get_model_parallel_group()) > 1:
+            dist.broadcast(packed, src=src, group=ps.get_model_parallel_group())
+        return packed[0].long(), packed[1].float()
+
+    # ---- generation ----------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
+                 ) -> RolloutBatch:
+        if not prompts:
+            raise ValueError("generate() needs at least one prompt")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        b = len(prompts)
+        width = max(len(p) for p in prompts)
+        total = width + params.max_new_tokens
+        tokens = torch.full((b, total), self.pad_id, dtype=torch.long)
+        prompt_lengths = torch.tensor([len(p) for p in prompts])
+        for i, p in enumerate(prompts):
+            tokens[i, width - len(p): width] = torch.tensor(list(p), dtype=torch.long)
+        key_pad = torch.arange(total).unsqueeze(0) < (width - prompt_lengths).unsqueeze(1)
+        logprobs = torch.zeros(b, total - 1)
+        lengths = torch.zeros(b, dtype=torch.long)
+        done = torch.zeros(b, dtype=torch.bool)
+        generator = torch.Generator().manual_seed(int(seed))
+        ctx = StaticInferenceContext(b, total)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self.precision():
+                logits = self._forward(tokens[:, :width], key_pad[:, None, None, :width], ctx)
+                ctx.sequence_len_offset += width
+                for j in range(params.max_new_tokens):
+                    tok, lp = self._choose(logits, params, generator, b)
+                    tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
+                    col = width + j
+                    tokens[:, col] = tok
+                    logprobs[:, col - 1] = torch.where(done, torch.zeros_like(lp), lp)
+                    lengths += (~done).long()
+                    done = done | (tok == self.eos_id)
+                    if bool(done.all()) or j == params.max_new_tokens - 1:
+                        break
+                    logits = self._forward(tokens[:, col: col + 1],
+                                           key_pad[:, None, None, : col + 1], ctx)
+                    ctx.sequence_len_offset += 1
+        finally:
+            self.model.train(was_training)
+        used = width + int(lengths.max())
+        return RolloutBatch(tokens[:, :used].clone(), width, prompt_lengths, lengths, done.clone(),
+                            logprobs[:, : used - 1].clone(), self.pad_id)
