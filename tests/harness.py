@@ -81,10 +81,7 @@ def _worker_main(rank: int, world_size: int, init_file: str, tasks, results) -> 
             results.put((task_id, rank, False, traceback.format_exc()))
         finally:
             _reset_model_parallel()
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
+    # no destroy_process_group(): it waits for the peers, and the process is exiting anyway
 
 
 def _reset_model_parallel() -> None:
@@ -183,8 +180,9 @@ class DistributedPool:
         if not kill:
             for q in self._tasks:
                 q.put(None)
+            deadline = time.monotonic() + 5
             for p in self._procs:
-                p.join(timeout=10)
+                p.join(timeout=max(0.1, deadline - time.monotonic()))
         for p in self._procs:
             if p.is_alive():
                 p.kill()

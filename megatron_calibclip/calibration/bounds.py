@@ -1,0 +1,197 @@
+"""Calibrated bounds [L*, H*] from FP8 and shadow log-ratios pooled over a process group.
+
+Why an accumulator: the shadow pass covers every PPO mini-batch of a calibration step, so the
+tokens of several mini-batches are added into one histogram and the bounds are computed once,
+with one all-reduce (`refine`: one more, rarely two; see solver.py). The math is the SPEC's:
+
+  N = valid tokens with A < 0, P = valid tokens with A > 0 (A == 0 and masked tokens ignored)
+  alpha = #{N: log r16 <= log(1 - eps_low)} / |N| = k / |N|                (exact counts)
+  L*    = smallest grid point l with #{N: log r8 <= l} >= k                (k-th order stat, rounded up)
+  p     = U+(r16, 1 + eps_high) / U-(r16, 1 - eps_low)                     (exact sums)
+  H*    = smallest grid point h with U+(r8, h) >= p * U-(r8, L*)
+  U+(x, h) = sum_P m * 1[x <= h],  U-(x, l) = sum_N m * 1[x > l],  m = |A| r or 1.
+
+U- counts a negative token as unclipped when r > l, consistent with "clipped = r <= l"; the
+SPEC writes 1[x >= l], which differs only for ratios exactly equal to l. L* is a grid point
+(not interpolated) so that U-(r8, L*) is an exact suffix sum of the merged histogram: H* is
+then exact on the grid for the L* actually returned. See README.md.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_calibclip.calibration.config import CalibrationConfig
+from megatron_calibclip.calibration.histogram import DistributedHistogram, all_reduce_histograms, distributed_active
+from megatron_calibclip.calibration.result import CalibrationResult
+from megatron_calibclip.calibration.solver import SCALARS, solve
+
+MASS_MODES = ("abs_adv_ratio", "tokens")
+SHADOW_PRECISIONS = ("bf16", "fp32")
+class CalibrationAccumulator:
+    """Adds the mini-batches of one calibration step, then computes the bounds once.
+
+    `compute` is a collective over `group`: every rank must call it (a rank without valid
+    tokens still calls it, possibly without any `add`).
+    """
+
+    def __init__(
+        self,
+        eps_low: float,
+        eps_high: float,
+        *,
+        mass: str = "abs_adv_ratio",
+        shadow_precision: str = "bf16",
+        log_ratio_min: float = -4.0,
+        log_ratio_max: float = 4.0,
+        bins: int = 16384,
+        refine: bool = False,
+        refine_bins: int = 4096,
+        mass_rtol: float = 1e-9,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not 0.0 < eps_low < 1.0:
+            raise ValueError(f"eps_low must be in (0, 1), got {eps_low}")
+        if not (eps_high > 0.0 and math.isfinite(eps_high)):
+            raise ValueError(f"eps_high must be a positive number, got {eps_high}")
+        if mass not in MASS_MODES:
+            raise ValueError(f"mass {mass!r} is not one of {list(MASS_MODES)}")
+        if shadow_precision not in SHADOW_PRECISIONS:
+            raise ValueError(f"shadow_precision {shadow_precision!r} is not one of {list(SHADOW_PRECISIONS)}")
+        if refine_bins < 2:
+            raise ValueError(f"refine_bins must be >= 2, got {refine_bins}")
+        self.eps_low, self.eps_high = float(eps_low), float(eps_high)
+        self.mass, self.shadow_precision = mass, shadow_precision
+        self.refine, self.refine_bins = bool(refine), int(refine_bins)
+        # thresholds in log space, float64: clipped (A<0) iff log r <= t_low; (A>0) iff log r > t_high
+        self.t_low, self.t_high = math.log1p(-self.eps_low), math.log1p(self.eps_high)
+        self.neg_mass_channel = "neg_mass" if mass == "abs_adv_ratio" else "neg_count"
+        self.pos_mass_channel = "pos_mass" if mass == "abs_adv_ratio" else "pos_count"
+        channels = ("neg_count", "pos_count") + (("neg_mass", "pos_mass") if mass == "abs_adv_ratio" else ())
+        self._hist_args = dict(
+            lo=log_ratio_min, hi=log_ratio_max, bins=bins, channels=channels, scalars=SCALARS,
+            keep_samples=self.refine, rtol=mass_rtol,
+        )
+        DistributedHistogram(**self._hist_args)  # validate the grid now, not at compute time
+        self._device = torch.device(device) if device is not None else None
+        self._hist: DistributedHistogram | None = None
+        self._done = False
+
+    @classmethod
+    def from_config(cls, config: CalibrationConfig, eps_low: float, eps_high: float,
+                    device: torch.device | str | None = None) -> CalibrationAccumulator:
+        return cls(
+            eps_low, eps_high, mass=config.mass, shadow_precision=config.shadow_precision,
+            log_ratio_min=config.log_ratio_min, log_ratio_max=config.log_ratio_max, bins=config.bins,
+            refine=config.refine, refine_bins=config.refine_bins, mass_rtol=config.mass_rtol, device=device,
+        )
+
+    def _histogram(self, device: torch.device | None) -> DistributedHistogram:
+        if self._hist is None:
+            dev = self._device or device or _default_device()
+            self._hist = DistributedHistogram(**self._hist_args, device=dev)
+        return self._hist
+
+    def add(self, logratio_fp8: torch.Tensor, logratio_bf16: torch.Tensor,
+            advantages: torch.Tensor, mask: torch.Tensor) -> None:
+        """Add one mini-batch (same-shape tensors; `mask` bool; `logratio_bf16` = shadow log r)."""
+        if self._done:
+            raise RuntimeError("this accumulator was already computed; start a new one")
+        _check_inputs(logratio_fp8, logratio_bf16, advantages, mask)
+        hist = self._histogram(logratio_fp8.device)
+        dev = hist.device
+        valid = mask.detach().reshape(-1).to(dev)
+        # select valid tokens first and go to float64 only for N and P (5e6 tokens: ~0.5 s)
+        lr8, lr16, adv = (t.detach().reshape(-1).to(dev)[valid] for t in (logratio_fp8, logratio_bf16, advantages))
+        finite_r = torch.isfinite(lr8) & torch.isfinite(lr16)
+        finite_a = torch.isfinite(adv)
+        good = finite_r & finite_a
+        neg, pos = good & (adv < 0), good & (adv > 0)
+        x8n, x16n, x8p, x16p = (t.to(torch.float64) for t in (lr8[neg], lr16[neg], lr8[pos], lr16[pos]))
+        an, ap = -adv[neg].to(torch.float64), adv[pos].to(torch.float64)
+        if self.mass == "abs_adv_ratio":
+            hist.add(x8n, {"neg_count": None, "neg_mass": an * torch.exp(x8n)})
+            hist.add(x8p, {"pos_count": None, "pos_mass": ap * torch.exp(x8p)})
+            m16n, m16p = an * torch.exp(x16n), ap * torch.exp(x16p)
+        else:
+            hist.add(x8n, {"neg_count": None})
+            hist.add(x8p, {"pos_count": None})
+            m16n, m16p = torch.ones_like(x16n), torch.ones_like(x16p)
+        clip16n, clip8n = x16n <= self.t_low, x8n <= self.t_low
+        sums = {
+            "n_valid": valid.sum(),
+            "n_nonfinite_ratio": (~finite_r).sum(),
+            "n_nonfinite_adv": (finite_r & ~finite_a).sum(),
+            "n_neg": neg.sum(),
+            "n_pos": pos.sum(),
+            "k_shadow": clip16n.sum(),
+            "n_neg_fp8_eps": clip8n.sum(),
+            "n_phantom_eps": (clip8n & ~clip16n).sum(),
+            "n_pos_shadow_eps": (x16p > self.t_high).sum(),
+            "n_pos_fp8_eps": (x8p > self.t_high).sum(),
+            "u_plus_shadow": m16p[x16p <= self.t_high].sum(),
+            "u_minus_shadow": m16n[~clip16n].sum(),
+        }
+        for name, value in sums.items():
+            hist.add_scalar(name, value.to(torch.float64))
+
+    def compute(self, group: dist.ProcessGroup | None = None) -> CalibrationResult:
+        """Merge over `group` (one all-reduce; refinement adds one, rarely two) and compute."""
+        if self._done:
+            raise RuntimeError("compute() was already called on this accumulator")
+        self._done = True
+        hist = self._histogram(None)
+        nbytes = all_reduce_histograms([hist], group)
+        return solve(self, hist, group, nbytes, 1 if distributed_active() else 0)
+
+
+def compute_calibrated_bounds(
+    logratio_fp8: torch.Tensor,
+    logratio_bf16: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    *,
+    group: dist.ProcessGroup | None = None,
+    mass: str = "abs_adv_ratio",
+    shadow_precision: str = "bf16",
+    log_ratio_min: float = -4.0,
+    log_ratio_max: float = 4.0,
+    bins: int = 16384,
+    refine: bool = False,
+    refine_bins: int = 4096,
+    mass_rtol: float = 1e-9,
+) -> CalibrationResult:
+    """The SPEC's [L*, H*] from one batch of tokens, pooled over `group` (a collective).
+
+    Pure apart from the all-reduce(s): no state, inputs untouched. `logratio_bf16` is the
+    shadow's log-ratio whatever `shadow_precision` says.
+    """
+    acc = CalibrationAccumulator(
+        eps_low, eps_high, mass=mass, shadow_precision=shadow_precision, log_ratio_min=log_ratio_min,
+        log_ratio_max=log_ratio_max, bins=bins, refine=refine, refine_bins=refine_bins,
+        mass_rtol=mass_rtol, device=logratio_fp8.device,
+    )
+    acc.add(logratio_fp8, logratio_bf16, advantages, mask)
+    return acc.compute(group)
+
+
+def _check_inputs(lr8: torch.Tensor, lr16: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> None:
+    for name, t in (("logratio_fp8", lr8), ("logratio_bf16", lr16), ("advantages", adv)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor")
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError("mask must be a bool tensor")
+    shapes = {tuple(t.shape) for t in (lr8, lr16, adv, mask)}
+    if len(shapes) != 1:
+        raise ValueError(f"logratio_fp8, logratio_bf16, advantages and mask must have one shape, got {shapes}")
+
+
+def _default_device() -> torch.device:
+    """Where an idle rank's empty histogram lives: the collective backend's device."""
+    if distributed_active() and dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

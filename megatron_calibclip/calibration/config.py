@@ -1,0 +1,93 @@
+"""Typed configuration of Calibrated Clipping (loadable from YAML with megatron_calibclip.config.from_dict).
+
+Why every check here: a wrong clamp or a histogram range narrower than the clamps would make
+calibration silently wrong, so bad values fail at load time with the field named.
+eps_low / eps_high are not here: they belong to the host algorithm (GRPO / DAPO loss config)
+and are passed to CalibratedClipper by the trainer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_calibclip.config import ConfigError
+
+MassMode = Literal["abs_adv_ratio", "tokens"]
+ShadowPrecision = Literal["bf16", "fp32"]
+
+
+@dataclass
+class CalibrationConfig:
+    """Calibrated Clipping: when to calibrate, how to smooth/clamp, how to estimate."""
+
+    # K: calibrate on every step with step % period == 0 (step 0 included). Paper: 20; 10, 40 work.
+    period: int = 20
+    # EMA weight of the old bound: L <- beta * L + (1 - beta) * L*; the first successful
+    # calibration sets the bounds directly. 0 disables smoothing.
+    ema_beta: float = 0.5
+    # Lower bound L (a ratio, not an epsilon) used until the first calibration takes effect.
+    initial_lower: float = 0.6
+    # Upper bound H (a ratio) used until the first calibration takes effect.
+    initial_upper: float = 1.8
+    # Clamp of the calibrated L before smoothing: L* is clipped into [lower_min, lower_max].
+    lower_min: float = 0.05
+    # Upper end of the L clamp; must be < 1 so that L < 1 < H always holds.
+    lower_max: float = 0.999
+    # Clamp of the calibrated H before smoothing: H* is clipped into [upper_min, upper_max].
+    upper_min: float = 1.001
+    # Upper end of the H clamp.
+    upper_max: float = 20.0
+    # Effective update mass of a token: "abs_adv_ratio" = |A| * r (our default), "tokens" = 1.
+    mass: MassMode = "abs_adv_ratio"
+    # Precision of the shadow pass whose ratios define the target ("bf16" = the paper,
+    # "fp32" = to check the BF16 target). Recorded in results; the math is the same.
+    shadow_precision: ShadowPrecision = "bf16"
+    # Histogram range in log r; must contain [log lower_min, log upper_max] so that answers
+    # that fall in the under/overflow slots are clamped to the same bound as the exact ones.
+    log_ratio_min: float = -4.0
+    # Upper end of the histogram range in log r.
+    log_ratio_max: float = 4.0
+    # Number of bins over the range; one-pass error <= (max - min) / bins in log r (4.9e-4).
+    bins: int = 16384
+    # Second pass that re-bins only the bracketing bins (one more all-reduce, rarely two):
+    # error <= (max - min) / (bins * refine_bins) in log r (1.2e-7 with the defaults).
+    refine: bool = False
+    # Sub-bins of the bracketing bin in the refinement pass.
+    refine_bins: int = 4096
+    # Relative tolerance (of the channel total) with which a cumulative mass "reaches" a
+    # target, so sums that are equal but added in another order give the same answer.
+    mass_rtol: float = 1e-9
+
+    def __post_init__(self) -> None:
+        _check(self.period >= 1, "period", self.period, "an integer >= 1")
+        _check(0.0 <= self.ema_beta < 1.0, "ema_beta", self.ema_beta, "a number in [0, 1)")
+        _check(0.0 < self.lower_min < self.lower_max < 1.0, "lower_min/lower_max",
+               (self.lower_min, self.lower_max), "0 < lower_min < lower_max < 1")
+        _check(1.0 < self.upper_min < self.upper_max and math.isfinite(self.upper_max),
+               "upper_min/upper_max", (self.upper_min, self.upper_max), "1 < upper_min < upper_max < inf")
+        _check(self.lower_min <= self.initial_lower <= self.lower_max, "initial_lower",
+               self.initial_lower, f"a ratio in [{self.lower_min}, {self.lower_max}]")
+        _check(self.upper_min <= self.initial_upper <= self.upper_max, "initial_upper",
+               self.initial_upper, f"a ratio in [{self.upper_min}, {self.upper_max}]")
+        _check(self.mass in ("abs_adv_ratio", "tokens"), "mass", self.mass, "one of ['abs_adv_ratio', 'tokens']")
+        _check(self.shadow_precision in ("bf16", "fp32"), "shadow_precision", self.shadow_precision,
+               "one of ['bf16', 'fp32']")
+        _check(math.isfinite(self.log_ratio_min) and self.log_ratio_min <= math.log(self.lower_min),
+               "log_ratio_min", self.log_ratio_min, f"finite and <= log(lower_min) = {math.log(self.lower_min):.4f}")
+        _check(math.isfinite(self.log_ratio_max) and self.log_ratio_max >= math.log(self.upper_max),
+               "log_ratio_max", self.log_ratio_max, f"finite and >= log(upper_max) = {math.log(self.upper_max):.4f}")
+        _check(self.bins >= 1, "bins", self.bins, "an integer >= 1")
+        _check(self.refine_bins >= 2, "refine_bins", self.refine_bins, "an integer >= 2")
+        _check(0.0 <= self.mass_rtol < 1e-3, "mass_rtol", self.mass_rtol, "a number in [0, 1e-3)")
+
+    @property
+    def resolution(self) -> float:
+        """Guaranteed error bound (log r) of a calibrated bound before clamping."""
+        width = (self.log_ratio_max - self.log_ratio_min) / self.bins
+        return width / self.refine_bins if self.refine else width
+
+
+def _check(ok: bool, field: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"calibration.{field}: {value!r} is invalid; allowed: {allowed}")

@@ -1,0 +1,56 @@
+"""Assertions comparing a CalibrationResult with the exact numpy reference (tests only)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tests.calibration.reference import exact_lower, exact_upper, snapped_ok
+
+LO, HI, BINS, REFINE_BINS = -4.0, 4.0, 16384, 4096
+WIDTH = (HI - LO) / BINS
+
+
+def assert_matches_exact(res, batch, eps_low, eps_high, mass, *, refined: bool, unconditional: bool = False):
+    """res: CalibrationResult (or its dict of fields) for the *global* batch.
+
+    Checks: same fallback reason; same counts and alpha; log L* is the exact k-th order
+    statistic rounded up to the grid (so within one bin width, or <= 1e-6 refined); log H* is
+    the exact H for the returned L* rounded up to the grid. With `unconditional`, H* must also
+    be that close to the exact H for the exact L* (true unless another FP8 ratio lies between
+    the exact and the returned L*; use it only on continuous data with refinement).
+    """
+    r = res if isinstance(res, dict) else res.__dict__
+    ex = exact_lower(batch["lr8"], batch["lr16"], batch["adv"], batch["mask"], eps_low, eps_high, mass)
+    code = None if r["reason"] is None else r["reason"].split(":", 1)[0]
+    assert code == ex.reason, (r["reason"], ex.reason)
+    if ex.reason is not None:
+        assert r["lower"] is None and r["upper"] is None
+        return
+    resolution = WIDTH / REFINE_BINS if refined else WIDTH
+    assert r["resolution"] == resolution
+    assert (r["n_neg"], r["n_pos"], r["n_neg_clipped_shadow"]) == (ex.n_neg, ex.n_pos, ex.k)
+    assert r["alpha"] == ex.alpha
+    assert math.isclose(r["p_bf16"], ex.p, rel_tol=1e-9)
+    log_l, log_h = r["log_lower"], r["log_upper"]
+    assert snapped_ok(log_l, ex.log_lower, LO, HI, resolution), (log_l, ex.log_lower)
+    h_exact = exact_upper(batch["lr8"], batch["lr16"], batch["adv"], batch["mask"], eps_low, eps_high, log_l, mass)
+    assert snapped_ok(log_h, h_exact, LO, HI, resolution), (log_h, h_exact)
+    bound = 1e-6 if refined else WIDTH  # the issue's required precision
+    if LO < ex.log_lower <= HI:
+        assert abs(log_l - ex.log_lower) <= bound
+    if LO < h_exact <= HI:
+        assert abs(log_h - h_exact) <= bound
+    if unconditional:
+        h_star = exact_upper(batch["lr8"], batch["lr16"], batch["adv"], batch["mask"], eps_low, eps_high,
+                             ex.log_lower, mass)
+        assert snapped_ok(log_h, h_star, LO, HI, resolution), (log_h, h_star)
+    assert r["lower"] == math.exp(log_l) and r["upper"] == math.exp(log_h)
+    # exact diagnostics at the returned bounds
+    lr8 = np.asarray(batch["lr8"], dtype=np.float64)
+    adv = np.asarray(batch["adv"], dtype=np.float64)
+    valid = np.asarray(batch["mask"]) & np.isfinite(lr8) & np.isfinite(adv)
+    with np.errstate(invalid="ignore"):
+        neg, pos = valid & (adv < 0), valid & (adv > 0)
+    assert r["neg_clip_frac_fp8_lower"] == (lr8[neg] <= log_l).sum() / ex.n_neg
+    assert math.isclose(r["pos_clip_frac_fp8_upper"], (lr8[pos] > log_h).sum() / ex.n_pos, abs_tol=1e-12)

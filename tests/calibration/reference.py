@@ -1,0 +1,102 @@
+"""Exact calibrated bounds on gathered data with numpy sorting: the reference for the tests.
+
+Written from the SPEC / README definitions only; it shares no code with the histogram.
+All comparisons are in log space, float64, against log1p(-eps_low) and log1p(eps_high).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Exact:
+    reason: str | None  # reason code, or None
+    n_neg: int
+    n_pos: int
+    k: int
+    alpha: float | None
+    p: float | None
+    log_lower: float | None  # k-th smallest FP8 log-ratio over N
+
+
+def _split(lr8, lr16, adv, mask):
+    lr8, lr16, adv = (np.asarray(a, dtype=np.float64).ravel() for a in (lr8, lr16, adv))
+    mask = np.asarray(mask, dtype=bool).ravel()
+    with np.errstate(invalid="ignore"):
+        bad_ratio = mask & ~(np.isfinite(lr8) & np.isfinite(lr16))
+        bad_adv = mask & ~bad_ratio & ~np.isfinite(adv)
+        good = mask & ~bad_ratio & ~bad_adv
+        neg, pos = good & (adv < 0), good & (adv > 0)
+    return lr8, lr16, adv, neg, pos, int(bad_ratio.sum()), int(bad_adv.sum())
+
+
+def _mass(adv, lr, mass):
+    return np.abs(adv) * np.exp(lr) if mass == "abs_adv_ratio" else np.ones_like(lr)
+
+
+def exact_lower(lr8, lr16, adv, mask, eps_low, eps_high, mass="abs_adv_ratio") -> Exact:
+    """Guards, alpha, p and the exact L* (k-th order statistic of log r8 over N)."""
+    lr8, lr16, adv, neg, pos, bad_r, bad_a = _split(lr8, lr16, adv, mask)
+    t_low, t_high = math.log1p(-eps_low), math.log1p(eps_high)
+    n_neg, n_pos = int(neg.sum()), int(pos.sum())
+    k = int((lr16[neg] <= t_low).sum())
+    alpha = k / n_neg if n_neg else None
+    u_plus = float(_mass(adv[pos], lr16[pos], mass)[lr16[pos] <= t_high].sum())
+    u_minus = float(_mass(adv[neg], lr16[neg], mass)[lr16[neg] > t_low].sum())
+    p = u_plus / u_minus if u_minus > 0 else None
+    reason = None
+    if bad_r:
+        reason = "nonfinite_ratio"
+    elif bad_a:
+        reason = "nonfinite_advantage"
+    elif n_neg == 0:
+        reason = "no_negative_tokens"
+    elif k == 0:
+        reason = "alpha_zero"
+    elif n_pos == 0:
+        reason = "no_positive_tokens"
+    elif u_minus <= 0:
+        reason = "alpha_one"
+    log_lower = float(np.sort(lr8[neg])[k - 1]) if reason is None else None
+    return Exact(reason, n_neg, n_pos, k, alpha, p, log_lower)
+
+
+def smallest_reaching(values, weights, target, rtol=1e-9) -> float:
+    """min{x : sum(weights[values <= x]) >= target - rtol * total}; -inf / +inf at the ends."""
+    order = np.argsort(values, kind="stable")
+    v, cum = values[order], np.cumsum(weights[order])
+    total = float(cum[-1]) if len(cum) else 0.0
+    need = target - rtol * total
+    if need <= 0:
+        return -math.inf
+    idx = int(np.searchsorted(cum, need, side="left"))
+    return float(v[idx]) if idx < len(v) else math.inf
+
+
+def exact_upper(lr8, lr16, adv, mask, eps_low, eps_high, log_lower, mass="abs_adv_ratio", rtol=1e-9) -> float:
+    """Exact H* (log) for the lower bound `log_lower`: smallest h with U+(r8,h) >= p U-(r8,L)."""
+    lr8, lr16, adv, neg, pos, _, _ = _split(lr8, lr16, adv, mask)
+    p = exact_lower(lr8, lr16, adv, mask, eps_low, eps_high, mass).p
+    m_neg = _mass(adv[neg], lr8[neg], mass)
+    target = p * float(m_neg[lr8[neg] > log_lower].sum())
+    return smallest_reaching(lr8[pos], _mass(adv[pos], lr8[pos], mass), target, rtol)
+
+
+def snapped_ok(est: float, exact: float, lo: float, hi: float, resolution: float) -> bool:
+    """Is `est` the exact value rounded up to a grid of spacing <= resolution on [lo, hi]?
+
+    Below the range the grid answer is lo, above it +inf; inside, 0 <= est - exact <= resolution.
+    """
+    if exact <= lo:
+        return est == lo
+    if exact > hi:
+        return est == math.inf
+    return 0.0 <= est - exact <= resolution * (1 + 1e-9) + 1e-15
+
+
+def interpolated_ok(est: float, exact: float, lo: float, hi: float, width: float) -> bool:
+    """Interpolated estimate: within one bin of the exact value clipped to [lo, hi]."""
+    return abs(est - min(max(exact, lo), hi)) <= width * (1 + 1e-9) + 1e-15
