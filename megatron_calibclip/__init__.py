@@ -10,5 +10,6 @@ for _message in (
     "Transformer Engine and Apex are not installed",
     "Apex is not installed. Falling back to Torch Norm",
     "When using async grad allreduce it is recommended",
+    "full scope is deprecated",
 ):
     _warnings.filterwarnings("ignore", message=_message, category=UserWarning)

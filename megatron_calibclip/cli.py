@@ -51,6 +51,35 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_train_config(path: str, overrides: Sequence[str]):
+    """A TrainConfig from a YAML path or a bundled config name (e.g. 'tiny-cpu')."""
+    from importlib import resources
+    from pathlib import Path
+
+    from megatron_calibclip.config import apply_overrides, from_dict, load_yaml
+    from megatron_calibclip.trainer.config import TrainConfig
+
+    p = Path(path)
+    if not p.exists() and not path.endswith((".yaml", ".yml")):
+        bundled = resources.files("megatron_calibclip") / "configs" / f"{path}.yaml"
+        if bundled.is_file():
+            p = Path(str(bundled))
+    return from_dict(TrainConfig, apply_overrides(load_yaml(p), list(overrides)))
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from megatron_calibclip.config import ConfigError
+
+    try:
+        cfg = load_train_config(args.config, args.set or [])
+    except ConfigError as err:
+        print(f"calibclip train: invalid configuration: {err}", file=sys.stderr)
+        return 2
+    from megatron_calibclip.trainer.loop import main_train
+
+    return main_train(cfg)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="calibclip",
@@ -61,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_info)
     p = sub.add_parser("presets", help="the model presets and their architecture numbers")
     p.set_defaults(func=_cmd_presets)
+    p = sub.add_parser(
+        "train", help="GRPO/DAPO training (run under torchrun or srun for several ranks)",
+        description="Run RL training from a YAML config. Several ranks: launch with "
+                    "`torchrun --nproc-per-node N -m megatron_calibclip.cli train ...` or srun.")
+    p.add_argument("--config", required=True,
+                   help="YAML file, or a bundled config name: tiny-cpu, smollm2-135m-cpu, ...")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set run.steps=5 (repeatable)")
+    p.set_defaults(func=_cmd_train)
     return parser
 
 

@@ -94,6 +94,17 @@ PROXIED_MODULES: dict[str, list[str]] = {
     ],
     "megatron.core.models.gpt.gpt_model": ["GPTModel._preprocess"],
     "megatron.core.transformer.attention": ["Attention._allocate_memory"],
+    # megatron's optimizers (loss-scale tensors) and checkpoint helpers used by the trainer
+    "megatron.core.optimizer.optimizer": [
+        "MegatronOptimizer.restore_from_cpu",
+        "MixedPrecisionOptimizer.__init__",
+        "FP32Optimizer.__init__",
+        "ChainedOptimizer.get_loss_scale",
+    ],
+    "megatron.core.optimizer.distrib_optimizer": [
+        "DistributedOptimizer.load_state_dict",
+        "DistributedOptimizer.get_parameter_state_dp_zero",
+    ],
     # megatron's DDP (grad buffers, finalize_model_grads) used by the trainer
     # (communication streams are used only with overlap_grad_reduce, which stays off on CPU)
     "megatron.core.distributed.param_and_grad_buffer": ["_ParamAndGradBuffer.__init__"],
@@ -106,6 +117,11 @@ PROXIED_MODULES: dict[str, list[str]] = {
 
 # Functions replaced or wrapped outright.
 REPLACED_FUNCTIONS = [
+    # these compare `tensor.type()` with 'torch.cuda.FloatTensor'; they run with CPU tensors
+    # reporting their CUDA type name (see _cpu_reports_cuda_type)
+    "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups",
+    "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__",
     "megatron.core.models.common.language_module.language_module:"
     "LanguageModule.setup_embeddings_and_output_layer",
 ]
@@ -197,6 +213,35 @@ def _cuda_is_identity(method):
             return method(*args, **kwargs)
         finally:
             torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+    wrapper.__calibclip_patched__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _cpu_reports_cuda_type(fn):
+    """Run `fn` with `Tensor.type()` naming CPU tensors as CUDA ones ('torch.cuda.FloatTensor').
+
+    megatron's optimizers assert or branch on the type *name* of fp32 tensors; the check is
+    about the dtype, which is the same on CPU. Only the no-argument form is changed.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any):
+        original = torch.Tensor.type
+
+        def type_name(self, dtype=None, non_blocking=False, **kw):
+            if dtype is None and not kw:
+                name = original(self)
+                if self.device.type == "cpu" and name.startswith("torch.") and ".cuda." not in name:
+                    return "torch.cuda." + name[len("torch."):]
+                return name
+            return original(self, dtype, non_blocking, **kw)
+
+        torch.Tensor.type = type_name  # type: ignore[method-assign]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original  # type: ignore[method-assign]
 
     wrapper.__calibclip_patched__ = True  # type: ignore[attr-defined]
     return wrapper
@@ -317,10 +362,18 @@ FINGERPRINTS: dict[str, str] = {
     "megatron.core.optimizer.clip_grads:count_zeros_fp32": "1fd2a2cc17103420",
     "megatron.core.models.gpt.gpt_model:GPTModel._preprocess": "c107f8e8f17cb56f",
     "megatron.core.transformer.attention:Attention._allocate_memory": "7fba838b541b5220",
+    "megatron.core.optimizer.optimizer:MegatronOptimizer.restore_from_cpu": "e19e0656940e9cd8",
+    "megatron.core.optimizer.optimizer:MixedPrecisionOptimizer.__init__": "5e17162e19b3c4e7",
+    "megatron.core.optimizer.optimizer:FP32Optimizer.__init__": "d950fcfafebeab97",
+    "megatron.core.optimizer.optimizer:ChainedOptimizer.get_loss_scale": "cf7d1cf031b3f78e",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict": "393f78388da771d3",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.get_parameter_state_dp_zero": "6b5a766d0fee9570",
     "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer.__init__": "500069dac412f151",
     "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.__init__": "031b2185fccd63b5",
     "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.offload_grad_buffers": "8da7d51fa5b68ae7",
     "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.restore_grad_buffers": "eda77f9d9448fa5d",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups": "e09973947a7f21da",
+    "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__": "c806fd0848fa4ce7",
     "megatron.core.models.common.language_module.language_module:LanguageModule.setup_embeddings_and_output_layer": "e2c7af37cedcf258"
 }
 
@@ -369,6 +422,21 @@ def apply_cpu_patches(force: bool = False) -> bool:
     random_mod = importlib.import_module("megatron.core.tensor_parallel.random")
     random_mod._get_cuda_rng_state = _get_cpu_rng_state
     random_mod._set_cuda_rng_state = _set_cpu_rng_state
+
+    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+    optimizer_mod = importlib.import_module("megatron.core.optimizer.optimizer")
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    if not getattr(clip_grads.clip_grad_by_total_norm_fp32, "__calibclip_patched__", False):
+        wrapped = _cpu_reports_cuda_type(clip_grads.clip_grad_by_total_norm_fp32)
+        clip_grads.clip_grad_by_total_norm_fp32 = wrapped
+        optimizer_mod.clip_grad_by_total_norm_fp32 = wrapped  # imported there by name
+    build = distrib.DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+    if not getattr(build.__func__, "__calibclip_patched__", False):
+        distrib.DistributedOptimizer._build_model_and_main_param_groups = classmethod(
+            _cpu_reports_cuda_type(build.__func__))
+    f16 = optimizer_mod.Float16OptimizerWithFloat16Params
+    if not getattr(f16.__init__, "__calibclip_patched__", False):
+        f16.__init__ = _cpu_reports_cuda_type(f16.__init__)
 
     from megatron.core.models.common.language_module.language_module import LanguageModule
 

@@ -55,7 +55,9 @@ class SentencePieceTokenizer:
         return ([self.bos_id] if self.bos_id is not None else []) + ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        keep = [int(i) for i in ids if int(i) not in (self.pad_id, self.eos_id, self.bos_id)]
+        # ids past the tokenizer's pieces (a model vocabulary padded beyond it) decode to nothing
+        keep = [int(i) for i in ids if int(i) not in (self.pad_id, self.eos_id, self.bos_id)
+                and 0 <= int(i) < self.vocab_size]
         return self._sp.decode(keep)
 
 

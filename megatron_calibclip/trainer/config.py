@@ -1,0 +1,160 @@
+"""The trainer's typed configuration: one YAML file, every field documented where declared.
+
+Loaded with megatron_calibclip.config.from_dict: unknown keys and invalid values fail with
+the field path and the allowed values. `calibclip train --config F --set a.b=v` overrides.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from megatron_calibclip.calibration import CalibrationConfig
+from megatron_calibclip.config import ConfigError
+from megatron_calibclip.fp8 import FP8Recipe
+from megatron_calibclip.rl import PolicyLossConfig
+from megatron_calibclip.rollout import SamplingParams
+
+Precision = Literal["fp32", "bf16", "fp8"]
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"  # run name; outputs go to output_dir/name
+    output_dir: str = "runs"  # parent folder of the run folder
+    seed: int = 0  # seeds weights (when not loaded), data order and sampling
+    steps: int = 10  # RL steps to run
+    progress: bool = True  # live progress bar on rank 0
+    tensorboard: bool = True  # also write TensorBoard events (needs the tensorboard package)
+    plot: bool = True  # write summary.png at the end (needs matplotlib)
+    save_every: int = 0  # checkpoint every N steps (0: only at the end, if a manager is set)
+
+
+@dataclass
+class ModelSection:
+    preset: str = "tiny"  # a models.PRESETS name
+    overrides: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields to replace
+    # where initial weights come from: None = random (seeded), else a checkpoint folder
+    load: Optional[str] = None
+    reference_dtype: Literal["bf16", "fp32"] = "bf16"  # the frozen reference model's dtype
+    offload_reference: bool = False  # keep the reference on CPU between uses (GPU runs)
+
+
+@dataclass
+class ParallelSection:
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline-parallel size
+
+
+@dataclass
+class DataSection:
+    source: Literal["reasoning_gym", "jsonl"] = "reasoning_gym"  # where prompts come from
+    task: str = "chain_sum"  # reasoning-gym task name (source: reasoning_gym)
+    task_config: dict[str, Any] = field(default_factory=dict)  # passed to create_dataset
+    size: int = 512  # number of generated problems (source: reasoning_gym)
+    path: Optional[str] = None  # JSONL file (source: jsonl)
+    prompt_key: str = "prompt"  # JSONL field holding the question
+    answer_key: str = "answer"  # JSONL field holding the reference answer
+    on_bad: Literal["error", "skip"] = "error"  # bad records: fail, or skip and count
+    # tokenizer: a sentencepiece .model file, an HF folder, or "train:N" to train an N-piece
+    # sentencepiece model on the prompts and answers (the tiny CPU demo)
+    tokenizer: str = "train:512"
+    template: str = "Question: {prompt}\nAnswer:"  # plain prompt template ({prompt} required)
+    max_prompt_tokens: int = 256  # longer prompts: error or counted skip (on_bad)
+
+
+@dataclass
+class RolloutSection:
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # temperature, top-p/k, length
+    precision: Precision = "fp8"  # precision of the generation forward
+    # None: same recipe as the trainer; else a separate recipe (rollout engine != trainer)
+    fp8: Optional[FP8Recipe] = None
+
+
+@dataclass
+class AlgorithmSection:
+    name: Literal["grpo", "dapo"] = "grpo"  # host algorithm (sets defaults below)
+    group_size: int = 8  # responses per prompt (G)
+    prompts_per_step: int = 8  # prompts per RL step, over all data-parallel ranks
+    mini_batches: int = 2  # PPO mini-batches (optimizer steps) per RL step
+    micro_batch_size: int = 8  # sequences per forward/backward in the update
+    logprob_micro_batch_size: int = 16  # sequences per forward when recomputing old log-probs
+    advantage_std: bool = True  # GRPO: divide by the group std (False: Dr. GRPO style)
+    # DAPO: keep only groups with 0 < correct < G, refilling by sampling more (up to N rounds)
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 3
+    # DAPO soft overlong punishment: L_max and L_cache in tokens (0 disables)
+    overlong_max_length: int = 0
+    overlong_cache_length: int = 0
+
+
+@dataclass
+class ClippingSection:
+    mode: Literal["fixed", "calibrated"] = "calibrated"  # fixed [1-eps_low, 1+eps_high] or CC
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)  # K, EMA, clamps
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 1e-6  # Adam learning rate
+    weight_decay: float = 0.0  # decoupled weight decay
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # global gradient-norm clip (0 disables)
+    distributed: bool = False  # megatron distributed optimizer (shards states over DP)
+
+
+@dataclass
+class RewardSection:
+    kind: Literal["auto", "reasoning_gym", "math"] = "auto"  # auto: the source's own scorer
+    # how the answer is taken from a completion (reasoning_gym): <answer> tags, \\boxed{},
+    # our final-answer extractor (boxed, ####, last number), or the raw text
+    extraction: Literal["answer_tag", "boxed", "final_answer", "raw"] = "final_answer"
+    correct_threshold: float = 0.5  # reward >= this counts as correct (dynamic sampling)
+
+
+@dataclass
+class WarmupConfig:  # supervised warm-up (trainer/warmup.py)
+    steps: int = 0  # supervised steps before RL (0: none)
+    lr: float = 3e-3  # learning rate during the warm-up (RL's lr is restored afterwards)
+    prompts_per_step: int = 32  # (prompt, answer) pairs per step, over all DP ranks
+
+
+@dataclass
+class TrainConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    data: DataSection = field(default_factory=DataSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    clipping: ClippingSection = field(default_factory=ClippingSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)  # supervised warm-up before RL
+    precision: Precision = "fp8"  # precision of the trainer's forward/backward GEMMs
+    fp8: FP8Recipe = field(default_factory=FP8Recipe)  # the trainer's FP8 recipe
+
+    def __post_init__(self) -> None:
+        a = self.algorithm
+        if a.group_size < 2:
+            raise ConfigError("algorithm.group_size must be >= 2 (group-relative advantages)")
+        if a.prompts_per_step < 1 or a.mini_batches < 1:
+            raise ConfigError("algorithm.prompts_per_step and algorithm.mini_batches must be >= 1")
+        total = a.prompts_per_step * a.group_size
+        if total % a.mini_batches:
+            raise ConfigError(
+                f"algorithm.mini_batches ({a.mini_batches}) must divide prompts_per_step x "
+                f"group_size ({total})"
+            )
+        if a.micro_batch_size < 1 or a.logprob_micro_batch_size < 1:
+            raise ConfigError("micro batch sizes must be >= 1")
+        if self.data.source == "jsonl" and not self.data.path:
+            raise ConfigError("data.path is required when data.source is 'jsonl'")
+        if self.run.steps < 0:
+            raise ConfigError("run.steps must be >= 0")
+
+    @property
+    def rollout_recipe(self) -> FP8Recipe:
+        return self.rollout.fp8 if self.rollout.fp8 is not None else self.fp8

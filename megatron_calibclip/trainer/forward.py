@@ -1,0 +1,119 @@
+"""Micro-batched forward (and backward) passes through megatron-core's pipeline schedule.
+
+Both the log-prob recomputation (forward only) and the policy update (forward + backward)
+go through `get_forward_backward_func`, so they run unchanged at any PP size. Per-token
+results are produced on the last pipeline stage and broadcast over the pipeline group, so
+every rank of a model replica holds the same tensors (the calibration histograms and the
+metrics then need no knowledge of stages).
+
+Micro-batches must share one shape under PP (the p2p buffers are preallocated), so a
+batch is padded with dummy rows (all padding, fully masked) to a multiple of the
+micro-batch size; dummy rows never reach a loss or a metric.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_calibclip.models.forward import position_ids_for
+from megatron_calibclip.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
+
+
+def _pad_rows(t: torch.Tensor, rows: int, value) -> torch.Tensor:
+    if rows == 0:
+        return t
+    pad = torch.full((rows, *t.shape[1:]), value, dtype=t.dtype)
+    return torch.cat([t, pad], dim=0)
+
+
+def split_micro_batches(tensors: dict[str, torch.Tensor], micro_batch_size: int,
+                        pad_values: dict[str, Any]) -> tuple[list[dict], int]:
+    """Cut [B, ...] tensors into equal micro-batches (padding B up); returns (list, B)."""
+    b = next(iter(tensors.values())).shape[0]
+    mbs = min(micro_batch_size, b)
+    n = -(-b // mbs)
+    extra = n * mbs - b
+    padded = {k: _pad_rows(v, extra, pad_values.get(k, 0)) for k, v in tensors.items()}
+    return [{k: v[i * mbs:(i + 1) * mbs] for k, v in padded.items()} for i in range(n)], b
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int,
+                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shifted per-token log-probs and entropies of softmax(logits / T), vocab-parallel."""
+    scaled = logits if temperature == 1.0 else logits.float() / temperature
+    return vocab_parallel_logprobs_entropy(
+        scaled[:, :-1], tokens[:, 1:], true_vocab_size=vocab_size,
+        group=ps.get_tensor_model_parallel_group(),
+    )
+
+
+def broadcast_from_last_stage(t: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:
+    """The last pipeline stage's tensor, on every stage of this replica."""
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return t
+    buf = t.contiguous() if ps.is_pipeline_last_stage() else torch.empty(shape, dtype=dtype)
+    dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
+                   group=ps.get_pipeline_model_parallel_group())
+    return buf
+
+
+def run_schedule(model, micro_batches: list[dict], loss_fn: Callable, *, forward_only: bool,
+                 seq_length: int) -> list[dict]:
+    """Run megatron's schedule over `micro_batches`; returns the loss_fn outputs (last stage).
+
+    loss_fn(micro_batch, logits) -> (loss 0-d tensor, dict of per-micro-batch outputs).
+    """
+    def forward_step(data_iterator, mdl):
+        mb = next(data_iterator)
+        out = mdl(mb["tokens"], position_ids_for(mb["tokens"]), mb.get("attention_mask"))
+
+        def loss_func(logits):
+            loss, outputs = loss_fn(mb, logits)
+            return loss, torch.zeros((), dtype=torch.int), outputs
+
+        return out, loss_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batches[0]["tokens"].shape[0],
+        forward_only=forward_only,
+    )
+
+
+@torch.no_grad()
+def compute_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor, *,
+                     vocab_size: int, temperature: float, micro_batch_size: int,
+                     pad_id: int, with_entropy: bool = False
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Per-token log-probs [B, S-1] (and entropies) of `tokens` under `model`, no grad."""
+    mbs, b = split_micro_batches({"tokens": tokens, "attention_mask": attention_mask},
+                                 micro_batch_size, {"tokens": pad_id, "attention_mask": True})
+
+    def loss_fn(mb, logits):
+        lp, ent = token_logprobs(logits, mb["tokens"], vocab_size, temperature)
+        return torch.zeros(()), {"lp": lp, "ent": ent}
+
+    was_training = model.training
+    model.eval()
+    try:
+        outs = run_schedule(model, mbs, loss_fn, forward_only=True, seq_length=tokens.shape[1])
+    finally:
+        model.train(was_training)
+    shape = (len(mbs) * mbs[0]["tokens"].shape[0], tokens.shape[1] - 1)
+    lp = ent = None
+    if ps.is_pipeline_last_stage():
+        lp = torch.cat([o["lp"] for o in outs])
+        ent = torch.cat([o["ent"] for o in outs])
+    lp = broadcast_from_last_stage(lp, shape, torch.float32)[:b]
+    if with_entropy:
+        ent = broadcast_from_last_stage(ent, shape, torch.float32)[:b]
+        return lp, ent
+    return lp, None

@@ -1,0 +1,117 @@
+"""The RL training loop: set up, run steps, log, checkpoint, report.
+
+Checkpointing is a seam: `train(cfg, checkpointer=...)` takes any object with
+`load_latest(components) -> Optional[int]` (the last finished step) and
+`save(step, components)`; checkpoint/ provides the real one.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+import torch.distributed as dist
+import yaml
+
+from megatron_calibclip.config import to_dict
+from megatron_calibclip.models import copy_weights
+from megatron_calibclip.parallel import ParallelLayout, initialize_distributed, teardown
+from megatron_calibclip.trainer.components import Components, build_components
+from megatron_calibclip.trainer.config import TrainConfig
+from megatron_calibclip.trainer.metrics import (
+    MetricsLogger,
+    plot_summary,
+    read_metrics,
+    summary_table,
+)
+from megatron_calibclip.trainer.step import train_step
+
+
+class Checkpointer(Protocol):
+    def load_latest(self, components: Components) -> Optional[int]: ...
+
+    def save(self, step: int, components: Components) -> None: ...
+
+
+def _has_checkpoint(checkpointer) -> bool:
+    probe = getattr(checkpointer, "has_checkpoint", None)
+    return bool(probe()) if callable(probe) else False
+
+
+def _warmup(c: Components, cfg: TrainConfig, rank0: bool) -> None:
+    from megatron_calibclip.trainer.warmup import run_warmup
+
+    t = time.perf_counter()
+    losses = run_warmup(c, cfg.warmup)
+    if rank0 and losses:
+        print(f"supervised warm-up: {len(losses)} steps, loss {losses[0]:.3f} -> "
+              f"{losses[-1]:.3f} ({time.perf_counter() - t:.1f}s)")
+
+
+def run_dir_for(cfg: TrainConfig) -> Path:
+    return Path(cfg.run.output_dir) / cfg.run.name
+
+
+def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
+          init_distributed: bool = True) -> dict[str, Any]:
+    """Run `cfg.run.steps` RL steps; returns {'run_dir', 'records'} (records on every rank)."""
+    if init_distributed:
+        initialize_distributed(ParallelLayout(cfg.parallel.tp, cfg.parallel.pp), seed=cfg.run.seed)
+    rank0 = dist.get_rank() == 0
+    run_dir = run_dir_for(cfg)
+    if rank0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    dist.barrier()
+    c = build_components(cfg, run_dir)
+    start_step = 0
+    if cfg.warmup.steps > 0 and (checkpointer is None or checkpointer.load_latest is None
+                                 or not _has_checkpoint(checkpointer)):
+        _warmup(c, cfg, rank0)
+        # the reference (KL anchor) is the policy RL starts from: the warmed-up one
+        copy_weights(c.policy, c.reference)
+    if checkpointer is not None:
+        last = checkpointer.load_latest(c)
+        start_step = 0 if last is None else last + 1
+    logger = MetricsLogger(run_dir, cfg.run.steps - start_step, enabled=rank0,
+                           tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
+    records = []
+    t0 = time.perf_counter()
+    try:
+        for step in range(start_step, cfg.run.steps):
+            t = time.perf_counter()
+            metrics = train_step(c, step)
+            metrics["time/step"] = time.perf_counter() - t
+            if c.skips.total:
+                metrics["data/skipped"] = float(c.skips.total)
+            logger.log(step, metrics)
+            records.append(metrics)
+            every = cfg.run.save_every
+            if checkpointer is not None and every and (step + 1) % every == 0:
+                checkpointer.save(step, c)
+        if checkpointer is not None and cfg.run.steps > start_step:
+            checkpointer.save(cfg.run.steps - 1, c)
+    finally:
+        logger.close()
+    if rank0 and records:
+        all_records = read_metrics(run_dir / "metrics.jsonl")
+        if cfg.run.plot:
+            png = plot_summary(all_records, run_dir / "summary.png",
+                               title=f"{cfg.run.name}: {cfg.algorithm.name}, trainer "
+                                     f"{cfg.precision}, clipping {cfg.clipping.mode}")
+            print(f"plot: {png}")
+        print(summary_table(all_records))
+        print(f"{len(records)} steps in {time.perf_counter() - t0:.1f}s; metrics: "
+              f"{run_dir / 'metrics.jsonl'}")
+        (run_dir / "done.json").write_text(json.dumps({"steps": cfg.run.steps}))
+    return {"run_dir": run_dir, "records": records}
+
+
+def main_train(cfg: TrainConfig) -> int:
+    """Entry point of `calibclip train`: train, then tear the process groups down."""
+    try:
+        train(cfg)
+    finally:
+        teardown()
+    return 0
