@@ -1,0 +1,241 @@
+"""Column/RowParallelLinear whose GEMMs are emulated in BF16 or FP8, switchable per model.
+
+Why subclasses that override only `_forward_impl`: megatron's forward keeps doing the tensor-
+parallel communication (column: copy-to-TP-region / all-reduce of the input gradient, optional
+output gather; row: input already split, reduce-from-TP-region of the output), so the TP
+semantics cannot drift; only the local GEMM changes. Same constructor, so the layer spec
+takes them as they are. In "fp32" mode the parent's GEMM runs untouched (bit-identical to
+the plain local spec).
+
+The emulated GEMM does what the hardware does, in fp32 on CPU:
+- bf16: operands rounded to bf16, fp32 accumulation, output rounded to bf16 (tensor cores).
+  Backward: output gradient rounded to bf16; dgrad rounded to bf16; wgrad kept in fp32
+  (megatron accumulates it into an fp32 main_grad).
+- fp8: input and weight quantized per the recipe (scales per TP shard: each rank sees only
+  its shard, as each GPU would), product of the dequantized values accumulated in fp32,
+  output in the input's dtype. The weight is quantized from the master weight at every
+  forward, never cached. Backward, as Transformer Engine: the output gradient is quantized
+  (E5M2 under "hybrid"), dgrad uses the weight quantized along the output dim, wgrad the
+  input quantized along the token dim (both saved from the forward).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+from megatron_calibclip.fp8.delayed import AmaxHistory
+from megatron_calibclip.fp8.formats import round_to_bf16
+from megatron_calibclip.fp8.precision import PrecisionState
+from megatron_calibclip.fp8.quantize import quantize_dequantize, same_both_ways
+from megatron_calibclip.fp8.recipe import ROLE_VALUES, FP8Recipe
+
+
+@dataclass
+class _Gemm:
+    """What one emulated GEMM call needs besides its tensors."""
+
+    mode: str  # "bf16" or "fp8"
+    recipe: Optional[FP8Recipe]
+    states: Optional[dict[str, AmaxHistory]]  # delayed scaling only
+
+
+def _qd(x: torch.Tensor, gemm: _Gemm, role: str, axis: int) -> torch.Tensor:
+    state = gemm.states[role] if gemm.states is not None else None
+    return quantize_dequantize(x, gemm.recipe, role, axis=axis, state=state)
+
+
+class _EmulatedLinearFunction(torch.autograd.Function):
+    """y = x W^T (+ b) with emulated operand rounding; TP dgrad all-reduce as megatron's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gemm: _Gemm, allreduce_dgrad: bool, tp_group):
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        w = weight.float()
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        x_for_wgrad = w_for_dgrad = None
+        if gemm.mode == "bf16":
+            xf, wf = round_to_bf16(x2), round_to_bf16(w)
+            out = xf @ wf.t()
+            if bias is not None:
+                out = out + bias.float()
+            out = round_to_bf16(out)
+            x_for_wgrad, w_for_dgrad = xf, wf
+        else:
+            recipe = gemm.recipe
+            xf = _qd(x2, gemm, "activation", -1)
+            wf = _qd(w, gemm, "weight", -1)
+            out = xf @ wf.t()
+            if bias is not None:
+                out = out + bias.float()
+            if need_wgrad:
+                if not recipe.fp8_wgrad:
+                    x_for_wgrad = round_to_bf16(x2)
+                elif same_both_ways(recipe, "activation"):
+                    x_for_wgrad = xf
+                else:
+                    x_for_wgrad = quantize_dequantize(x2, recipe, "activation", axis=0)
+            if need_dgrad:
+                w_for_dgrad = wf if same_both_ways(recipe, "weight") else \
+                    quantize_dequantize(w, recipe, "weight", axis=0)
+        ctx.save_for_backward(x_for_wgrad, w_for_dgrad)
+        ctx.gemm = gemm
+        ctx.has_bias = bias is not None
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        ctx.allreduce_dgrad = allreduce_dgrad
+        ctx.tp_group = tp_group
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_for_wgrad, w_for_dgrad = ctx.saved_tensors
+        gemm: _Gemm = ctx.gemm
+        g2 = grad_out.reshape(-1, grad_out.shape[-1]).float()
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = grad_w = grad_b = None
+        if gemm.mode == "bf16":
+            gb = round_to_bf16(g2)
+            g_dgrad = g_wgrad = gb
+        else:
+            recipe = gemm.recipe
+            g_dgrad = _qd(g2, gemm, "grad", -1)  # the one (delayed) update of the grad amax
+            if not need_wgrad:
+                g_wgrad = None
+            elif not recipe.fp8_wgrad:
+                g_wgrad = round_to_bf16(g2)
+            elif same_both_ways(recipe, "grad"):
+                g_wgrad = g_dgrad
+            else:
+                g_wgrad = quantize_dequantize(g2, recipe, "grad", axis=0)
+        if need_dgrad:
+            grad_x = g_dgrad @ w_for_dgrad
+            if gemm.mode == "bf16":
+                grad_x = round_to_bf16(grad_x)
+            if ctx.allreduce_dgrad:
+                dist.all_reduce(grad_x, group=ctx.tp_group)
+                if gemm.mode == "bf16":
+                    grad_x = round_to_bf16(grad_x)
+            grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
+        if need_wgrad:
+            grad_w = (g_wgrad.t() @ x_for_wgrad).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(dim=0).to(ctx.b_dtype)  # bias grad from the unquantized dY (TE)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class _EmulatedLinearMixin:
+    """Reads the model's PrecisionState at every forward; holds the delayed-scaling state."""
+
+    _calibclip_emulated = True
+
+    def _init_emulation(self, name: Optional[str]) -> None:
+        # Own fp32 state until set_precision() hands every linear of the model a shared one.
+        self.precision_state = PrecisionState()
+        # 'qkv' | 'proj' | 'fc1' | 'fc2': megatron passes it as tp_comm_buffer_name.
+        self.fp8_name = name
+        self._amax_states: Optional[dict[str, AmaxHistory]] = None
+        self._amax_key: Optional[tuple] = None
+
+    def reset_fp8_state(self) -> None:
+        """Drop the delayed-scaling histories (the next FP8 forward starts from scale 1)."""
+        self._amax_states = None
+        self._amax_key = None
+
+    def _amax_group(self, recipe: FP8Recipe):
+        if recipe.amax_reduction == "none":
+            return None
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            return None
+        return parallel_state.get_amax_reduction_group(
+            with_context_parallel=True, tp_only_amax_red=recipe.amax_reduction == "tp"
+        )
+
+    def fp8_states(self, recipe: FP8Recipe) -> dict[str, AmaxHistory]:
+        """The per-role amax histories for `recipe` (new ones if the recipe's delayed
+        settings changed)."""
+        key = (recipe.format, recipe.amax_history_len, recipe.amax_compute_algo, recipe.margin,
+               recipe.amax_reduction)
+        if self._amax_states is None or self._amax_key != key:
+            group = self._amax_group(recipe)
+            self._amax_states = {
+                role: AmaxHistory(recipe.element_format(role), recipe.amax_history_len,
+                                  recipe.amax_compute_algo, recipe.margin, group)
+                for role in ROLE_VALUES
+            }
+            self._amax_key = key
+        return self._amax_states
+
+    def effective_mode(self) -> str:
+        """fp32 / bf16 / fp8 for this layer (fp8 only if the recipe lists the layer)."""
+        state = self.precision_state
+        if state.mode == "fp8" and self.fp8_name not in state.recipe.linears:
+            return "bf16"
+        return state.mode
+
+    def quantized_weight(self, axis: int = -1) -> torch.Tensor:
+        """The weight as the next FP8 forward's GEMM would see it (inspection only: a
+        delayed-scaling history is not advanced)."""
+        recipe = self.precision_state.recipe
+        if recipe is None:
+            raise ValueError("no FP8 recipe set on this layer (set_precision(model, 'fp8', r))")
+        state = None
+        if recipe.granularity == "delayed":
+            state = self.fp8_states(recipe)["weight"].snapshot()
+        return quantize_dequantize(self.weight.detach(), recipe, "weight", axis=axis, state=state)
+
+    def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,
+                      allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None,
+                      wgrad_deferral_limit=None, tp_group=None, **kwargs):
+        mode = self.effective_mode()
+        if mode == "fp32":
+            return super()._forward_impl(
+                input=input, weight=weight, bias=bias,
+                gradient_accumulation_fusion=gradient_accumulation_fusion,
+                allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
+                grad_output_buffer=grad_output_buffer, wgrad_deferral_limit=wgrad_deferral_limit,
+                tp_group=tp_group, **kwargs,
+            )
+        if sequence_parallel:
+            raise NotImplementedError("emulated bf16/fp8 linears do not support sequence parallel")
+        if gradient_accumulation_fusion:
+            raise NotImplementedError(
+                "emulated bf16/fp8 linears do not support gradient_accumulation_fusion"
+            )
+        if grad_output_buffer is not None:
+            raise NotImplementedError("emulated linears do not support deferred wgrad buffers")
+        recipe = self.precision_state.recipe
+        states = self.fp8_states(recipe) if (mode == "fp8" and recipe.granularity == "delayed") \
+            else None
+        gemm = _Gemm(mode, recipe if mode == "fp8" else None, states)
+        if allreduce_dgrad and tp_group is None:
+            from megatron.core.parallel_state import get_tensor_model_parallel_group
+
+            tp_group = get_tensor_model_parallel_group()
+        return _EmulatedLinearFunction.apply(input, weight, bias, gemm, allreduce_dgrad, tp_group)
+
+
+class EmulatedColumnParallelLinear(_EmulatedLinearMixin, ColumnParallelLinear):
+    """ColumnParallelLinear with switchable emulated BF16 / FP8 GEMMs."""
+
+    def __init__(self, input_size: int, output_size: int, **kwargs) -> None:
+        super().__init__(input_size, output_size, **kwargs)
+        self._init_emulation(kwargs.get("tp_comm_buffer_name"))
+
+
+class EmulatedRowParallelLinear(_EmulatedLinearMixin, RowParallelLinear):
+    """RowParallelLinear with switchable emulated BF16 / FP8 GEMMs."""
+
+    def __init__(self, input_size: int, output_size: int, **kwargs) -> None:
+        super().__init__(input_size, output_size, **kwargs)
+        self._init_emulation(kwargs.get("tp_comm_buffer_name"))
+
+
+def fp8_linear_classes() -> dict[str, type]:
+    """`local_layer_spec(cfg, **fp8_linear_classes())`: the emulated linears for the spec."""
+    return {"column_linear": EmulatedColumnParallelLinear, "row_linear": EmulatedRowParallelLinear}
