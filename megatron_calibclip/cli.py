@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a config value, e.g. --set run.steps=5 (repeatable)")
     p.set_defaults(func=_cmd_train)
+    from megatron_calibclip.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -12,7 +12,7 @@ from megatron_calibclip.models.forward import (
     shifted_logprobs_entropy,
 )
 from megatron_calibclip.models.config import PRESETS, ModelConfig, get_preset
-from megatron_calibclip.models.layer_specs import layer_spec, local_layer_spec
+from megatron_calibclip.models.layer_specs import emulated_layer_spec, layer_spec, local_layer_spec
 
 __all__ = [
     "PRESETS",
@@ -21,6 +21,7 @@ __all__ = [
     "build_policy_model",
     "build_reference_model",
     "copy_weights",
+    "emulated_layer_spec",
     "forward_logits",
     "position_ids_for",
     "shifted_logprobs_entropy",

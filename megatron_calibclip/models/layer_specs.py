@@ -8,20 +8,15 @@ swapped too: that is where the FP8 layers (emulated or TE) plug in.
 from __future__ import annotations
 
 import copy
-import importlib.util
 from typing import Optional
 
-import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_calibclip.fp8 import fp8_linear_classes
+from megatron_calibclip.fp8.te import transformer_engine_available
 from megatron_calibclip.models.attention import SDPAttention
 from megatron_calibclip.models.config import ModelConfig
-
-
-def transformer_engine_available() -> bool:
-    """TE is usable only with CUDA (a TE install without CUDA breaks imports)."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def local_layer_spec(
@@ -49,6 +44,12 @@ def local_layer_spec(
     return spec
 
 
+def emulated_layer_spec(cfg: ModelConfig) -> ModuleSpec:
+    """The local spec with emulated FP8/BF16 linears: precision is then a switch on the model
+    (megatron_calibclip.fp8.set_precision / precision), no second copy of the weights."""
+    return local_layer_spec(cfg, **fp8_linear_classes())
+
+
 def te_layer_spec(cfg: ModelConfig) -> ModuleSpec:
     """megatron's Transformer Engine spec (fused norm+linear, TE attention, FP8-capable)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -63,13 +64,17 @@ def layer_spec(
     backend: Optional[str] = None,
     **linear_classes: type,
 ) -> ModuleSpec:
-    """backend: 'te', 'local', or None (TE when TE and CUDA are present, else local)."""
+    """backend: 'te', 'local', 'emulated' (local + emulated FP8 linears), or None (TE when
+    TE and CUDA are present, else local)."""
     if backend is None:
         backend = "te" if transformer_engine_available() and not linear_classes else "local"
     if backend == "te":
         if not transformer_engine_available():
             raise RuntimeError("the 'te' layer spec needs CUDA and transformer-engine")
         return te_layer_spec(cfg)
+    if backend == "emulated":
+        return emulated_layer_spec(cfg)
     if backend != "local":
-        raise ValueError(f"layer spec backend {backend!r} is not one of ['te', 'local']")
+        raise ValueError(
+            f"layer spec backend {backend!r} is not one of ['te', 'local', 'emulated']")
     return local_layer_spec(cfg, **linear_classes)

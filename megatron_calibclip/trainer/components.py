@@ -28,14 +28,14 @@ from megatron_calibclip.data import (
     reasoning_gym_records,
     train_sentencepiece,
 )
-from megatron_calibclip.fp8 import fp8_linear_classes, precision, set_precision
+from megatron_calibclip.fp8 import precision, set_precision
 from megatron_calibclip.models import (
     ModelConfig,
     build_policy_model,
     build_reference_model,
     copy_weights,
     get_preset,
-    local_layer_spec,
+    emulated_layer_spec,
 )
 from megatron_calibclip.rl import ReasoningGymReward, math_reward
 from megatron_calibclip.rollout import MegatronRolloutEngine
@@ -125,7 +125,7 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
                             max_prompt_tokens=cfg.data.max_prompt_tokens,
                             on_too_long=cfg.data.on_bad, seed=cfg.run.seed, skips=skips)
 
-    spec = local_layer_spec(model_cfg, **fp8_linear_classes())
+    spec = emulated_layer_spec(model_cfg)
     policy = build_policy_model(model_cfg, spec=spec, seed=cfg.run.seed,
                                 calculate_per_token_loss=True)
     policy.config.finalize_model_grads_func = finalize_model_grads
