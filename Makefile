@@ -21,8 +21,11 @@ $(STAMP): setup.py requirements/constraints.txt
 test: $(STAMP)
 	$(PY) -m pytest tests
 
+# GRPO with emulated FP8 and Calibrated Clipping on 2 CPU ranks (TP=2); outputs in runs/demo/
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m megatron_calibclip.demo --tp 2
+	rm -rf runs/demo
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=2 \
+	  -m megatron_calibclip.cli train --config tiny-cpu --set run.output_dir=runs/demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -21,6 +21,7 @@ from megatron_calibclip.trainer.components import Components, build_components
 from megatron_calibclip.trainer.config import TrainConfig
 from megatron_calibclip.trainer.metrics import (
     MetricsLogger,
+    learning_line,
     plot_summary,
     read_metrics,
     summary_table,
@@ -75,7 +76,8 @@ def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
         last = checkpointer.load_latest(c)
         start_step = 0 if last is None else last + 1
     logger = MetricsLogger(run_dir, cfg.run.steps - start_step, enabled=rank0,
-                           tensorboard=cfg.run.tensorboard, progress=cfg.run.progress)
+                           tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
+                           start_step=start_step)
     records = []
     t0 = time.perf_counter()
     try:
@@ -102,8 +104,10 @@ def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
                                      f"{cfg.precision}, clipping {cfg.clipping.mode}")
             print(f"plot: {png}")
         print(summary_table(all_records))
-        print(f"{len(records)} steps in {time.perf_counter() - t0:.1f}s; metrics: "
-              f"{run_dir / 'metrics.jsonl'}")
+        print(learning_line(all_records))
+        print(f"{len(records)} steps in {time.perf_counter() - t0:.1f}s; outputs in {run_dir}/ "
+              f"(metrics.jsonl, tensorboard/, summary.png, config.yaml"
+              f"{', checkpoints/' if checkpointer is not None else ''})")
         (run_dir / "done.json").write_text(json.dumps({"steps": cfg.run.steps}))
     return {"run_dir": run_dir, "records": records}
 

@@ -22,7 +22,7 @@ class MetricsLogger:
     """Write one JSON line per step (metrics.jsonl), TensorBoard scalars and a progress bar."""
 
     def __init__(self, run_dir: Path, total_steps: int, *, enabled: bool, tensorboard: bool,
-                 progress: bool):
+                 progress: bool, start_step: int = 0):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._fh = None
@@ -31,7 +31,14 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = self.path.open("a", encoding="utf-8")
+        # a fresh run starts a fresh file; a resumed run keeps the steps before the resume
+        # point (a crash may have logged steps that the checkpoint does not contain)
+        kept = []
+        if start_step > 0 and self.path.exists():
+            kept = [r for r in read_metrics(self.path) if r.get("step", -1) < start_step]
+        self._fh = self.path.open("w", encoding="utf-8")
+        for r in kept:
+            self._fh.write(json.dumps(r, sort_keys=True) + "\n")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -153,3 +160,14 @@ def summary_table(records: list[dict], max_rows: int = 12) -> str:
             cells.append(f"{v:>9.4f}" if isinstance(v, (int, float)) else f"{'-':>9}")
         lines.append(f"{r['step']:>5} " + " ".join(cells))
     return "\n".join(lines)
+
+
+def learning_line(records: list[dict], window: int = 10) -> str:
+    """'reward: first 10 steps 0.25 -> last 10 steps 0.35 (+0.10)': did RL learn?"""
+    rewards = [r["reward_mean"] for r in records if r.get("reward_mean") is not None]
+    if len(rewards) < 2:
+        return "reward: not enough steps to compare"
+    w = max(1, min(window, len(rewards) // 2))
+    first, last = sum(rewards[:w]) / w, sum(rewards[-w:]) / w
+    return (f"reward: first {w} steps {first:.3f} -> last {w} steps {last:.3f} "
+            f"({last - first:+.3f})")
