@@ -202,20 +202,29 @@ def _set_cpu_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bo
     torch.set_rng_state(new_state)
 
 
-def _cuda_is_identity(method):
-    """Run `method` with Tensor.cuda() returning the tensor itself (CPU only)."""
+def _with_tensor_method(fn, name: str, make_replacement):
+    """Wrap `fn` so that it runs with `torch.Tensor.<name>` replaced (restored afterwards).
 
-    @functools.wraps(method)
+    make_replacement(original) -> the temporary method. Scoped to the call: code outside
+    `fn` never sees the replacement.
+    """
+
+    @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any):
-        original = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+        original = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, make_replacement(original))
         try:
-            return method(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
-            torch.Tensor.cuda = original  # type: ignore[method-assign]
+            setattr(torch.Tensor, name, original)
 
     wrapper.__calibclip_patched__ = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _cuda_is_identity(method):
+    """Run `method` with Tensor.cuda() returning the tensor itself (CPU only)."""
+    return _with_tensor_method(method, "cuda", lambda original: lambda self, *a, **k: self)
 
 
 def _cpu_reports_cuda_type(fn):
@@ -225,10 +234,7 @@ def _cpu_reports_cuda_type(fn):
     about the dtype, which is the same on CPU. Only the no-argument form is changed.
     """
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any):
-        original = torch.Tensor.type
-
+    def make(original):
         def type_name(self, dtype=None, non_blocking=False, **kw):
             if dtype is None and not kw:
                 name = original(self)
@@ -237,14 +243,9 @@ def _cpu_reports_cuda_type(fn):
                 return name
             return original(self, dtype, non_blocking, **kw)
 
-        torch.Tensor.type = type_name  # type: ignore[method-assign]
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            torch.Tensor.type = original  # type: ignore[method-assign]
+        return type_name
 
-    wrapper.__calibclip_patched__ = True  # type: ignore[attr-defined]
-    return wrapper
+    return _with_tensor_method(fn, "type", make)
 
 
 def _find_function(tree: ast.AST, qualname: str) -> ast.AST | None:

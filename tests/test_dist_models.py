@@ -141,19 +141,13 @@ def test_tp2_logits_equal_single_process(dist_pool, references):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
-def test_pp2_forward_backward_equals_single_process(dist_pool, references, preset):
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)], ids=["pp2", "tp2xpp2-4ranks"])
+def test_forward_backward_equals_single_process(dist_pool, references, preset, tp, pp):
+    """PP=2 on 2 ranks and TP=2 x PP=2 on 4 ranks: loss and every gradient as PP=1."""
     ref_loss, ref_grads, ref_weights = references[preset]
-    loss, grads, weights = _merge(dist_pool(2).run(_fwd_bwd_body, preset, 1, 2))
-    _assert_same_tensors(weights, ref_weights, 0.0, f"{preset} PP=2 weights")
+    loss, grads, weights = _merge(dist_pool(tp * pp).run(_fwd_bwd_body, preset, tp, pp))
+    what = f"{preset} TP={tp} PP={pp}"
+    _assert_same_tensors(weights, ref_weights, 0.0, f"{what} weights")
     assert abs(loss - ref_loss) <= 1e-6, (loss, ref_loss)
-    _assert_same_tensors(grads, ref_grads, 1e-6, f"{preset} PP=2 grads")
+    _assert_same_tensors(grads, ref_grads, 1e-6, f"{what} grads")
     assert max(np.abs(g).max() for g in ref_grads.values()) > 0  # grads really flowed
-
-
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
-def test_tp2_pp2_on_four_ranks_equals_single_process(dist_pool, references, preset):
-    ref_loss, ref_grads, ref_weights = references[preset]
-    loss, grads, weights = _merge(dist_pool(4).run(_fwd_bwd_body, preset, 2, 2))
-    _assert_same_tensors(weights, ref_weights, 0.0, f"{preset} TP2xPP2 weights")
-    assert abs(loss - ref_loss) <= 1e-6, (loss, ref_loss)
-    _assert_same_tensors(grads, ref_grads, 1e-6, f"{preset} TP2xPP2 grads")

@@ -84,3 +84,26 @@ def test_tensor_cuda_is_identity_only_inside_the_wrapped_method():
     patches._cuda_is_identity(probe)()
     assert seen["same"] is True
     assert torch.Tensor.cuda is original
+
+
+def test_cpu_tensors_report_cuda_type_names_only_inside_wrapped_optimizer_code():
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    patches.apply_cpu_patches()
+    assert clip_grads.clip_grad_by_total_norm_fp32 is optimizer.clip_grad_by_total_norm_fp32
+    seen = {}
+
+    def probe():
+        seen["fp32"] = torch.ones(1).type()
+        seen["bf16"] = torch.ones(1, dtype=torch.bfloat16).type()
+        seen["cast"] = torch.ones(1).type(torch.float64).dtype
+
+    patches._cpu_reports_cuda_type(probe)()
+    assert seen == {"fp32": "torch.cuda.FloatTensor", "bf16": "torch.cuda.BFloat16Tensor",
+                    "cast": torch.float64}
+    assert torch.ones(1).type() == "torch.FloatTensor"  # restored outside
+    # a real clip: grads are scaled down to max_norm
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.full((4,), 3.0)
+    clip_grads.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=6.0)
+    assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-5)
