@@ -134,6 +134,8 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
     copy_weights(policy, reference)
     set_precision(reference, "bf16" if ref_dtype == torch.bfloat16 else "fp32")
     set_precision(policy, cfg.precision, cfg.fp8)
+    if cfg.model.offload_reference and torch.cuda.is_available():
+        reference.cpu()  # visits the GPU only for its forward (trainer.step.reference_on_device)
 
     ddp = DistributedDataParallel(
         policy.config,

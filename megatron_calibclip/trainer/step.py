@@ -11,6 +11,7 @@ different prompts, and every count, normaliser and histogram is pooled over the 
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -64,6 +65,20 @@ class Timer:
                 timer.times[name] = timer.times.get(name, 0.0) + time.perf_counter() - self.t
 
         return _Ctx()
+
+
+@contextlib.contextmanager
+def reference_on_device(c: Components):
+    """With model.offload_reference on a GPU run, the reference lives in CPU memory and visits
+    the GPU only for its forward; otherwise a no-op."""
+    offload = c.cfg.model.offload_reference and torch.cuda.is_available()
+    if offload:
+        c.reference.cuda()
+    try:
+        yield
+    finally:
+        if offload:
+            c.reference.cpu()
 
 
 def _seed(c: Components, step: int, round_: int) -> int:
@@ -200,7 +215,8 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
     with timer("logprobs"):
         with c.trainer_precision():
             old_lp, _ = compute_logprobs(c.ddp, b.tokens, attn, **lp_kw)
-        ref_lp, _ = compute_logprobs(c.reference, b.tokens, attn, **lp_kw)
+        with reference_on_device(c):
+            ref_lp, _ = compute_logprobs(c.reference, b.tokens, attn, **lp_kw)
     shadow_old = None
     if calibrating:
         with timer("shadow"):

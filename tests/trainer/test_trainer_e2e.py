@@ -48,7 +48,7 @@ def _train_body(rank, world_size, cfg_dict, out_dir):
 
 
 CASES = {
-    "grpo-dp2-calibrated": {"parallel": {"tp": 1}},
+    "grpo-dp2-calibrated": {"parallel": {"tp": 1}, "optimizer": {"distributed": True}},
     "grpo-tp2-fixed": {"parallel": {"tp": 2}, "clipping": {"mode": "fixed"},
                        "rollout": {"precision": "bf16"}},
     "dapo-dp2-calibrated": {"algorithm": {"name": "dapo", "dynamic_sampling": True,
