@@ -12,6 +12,9 @@ CORE = [
     "pyyaml",
     "safetensors",
     "sentencepiece",
+    "tqdm",  # progress bars (training, conversion)
+    "matplotlib",  # summary plots (PNG)
+    "tensorboard",  # metrics as TensorBoard events (torch.utils.tensorboard)
 ]
 
 EXTRAS = {
