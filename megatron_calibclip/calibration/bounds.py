@@ -2,7 +2,8 @@
 
 Why an accumulator: the shadow pass covers every PPO mini-batch of a calibration step, so the
 tokens of several mini-batches are added into one histogram and the bounds are computed once,
-with one all-reduce (`refine`: one more, rarely two; see solver.py). The math is the SPEC's:
+with one all-reduce plus, with `refine` (the default), one more, rarely two (see solver.py).
+The math is the SPEC's:
 
   N = valid tokens with A < 0, P = valid tokens with A > 0 (A == 0 and masked tokens ignored)
   alpha = #{N: log r16 <= log(1 - eps_low)} / |N| = k / |N|                (exact counts)
@@ -47,7 +48,7 @@ class CalibrationAccumulator:
         log_ratio_min: float = -4.0,
         log_ratio_max: float = 4.0,
         bins: int = 16384,
-        refine: bool = False,
+        refine: bool = True,
         refine_bins: int = 4096,
         mass_rtol: float = 1e-9,
         device: torch.device | str | None = None,
@@ -161,7 +162,7 @@ def compute_calibrated_bounds(
     log_ratio_min: float = -4.0,
     log_ratio_max: float = 4.0,
     bins: int = 16384,
-    refine: bool = False,
+    refine: bool = True,
     refine_bins: int = 4096,
     mass_rtol: float = 1e-9,
 ) -> CalibrationResult:
