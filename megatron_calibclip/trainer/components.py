@@ -70,6 +70,22 @@ class Components:
         return precision(self.policy, self.cfg.clipping.calibration.shadow_precision)
 
 
+def _model_config(cfg: TrainConfig) -> ModelConfig:
+    """The preset (with overrides), or the architecture recorded in `model.load`'s checkpoint."""
+    if cfg.model.load is None:
+        return get_preset(cfg.model.preset, **cfg.model.overrides)
+    from megatron_calibclip.checkpoint import CheckpointInfo
+    from megatron_calibclip.checkpoint.layout import resolve_checkpoint
+
+    recorded = CheckpointInfo.read(resolve_checkpoint(cfg.model.load)).model()
+    if recorded is None:
+        return get_preset(cfg.model.preset, **cfg.model.overrides)
+    if cfg.model.overrides:
+        return get_preset(cfg.model.preset, **{**dataclasses.asdict(recorded),
+                                               **cfg.model.overrides})
+    return recorded
+
+
 def _tokenizer(cfg: TrainConfig, records, run_dir: Path):
     spec = cfg.data.tokenizer
     if spec.startswith("train:"):
@@ -106,7 +122,12 @@ def _reward_fn(cfg: TrainConfig):
 
 def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
     """Build models, optimizer, data, rollout engine and clipper on this rank."""
-    model_cfg = get_preset(cfg.model.preset, **cfg.model.overrides)
+    if cfg.run.checkpoint and cfg.optimizer.distributed and not torch.cuda.is_available():
+        raise ConfigError(
+            "optimizer.distributed: checkpointing megatron's distributed optimizer does not "
+            "work on CPU with megatron-core 0.16.1 (its state gather uses CUDA); set "
+            "optimizer.distributed=false or run.checkpoint=false")
+    model_cfg = _model_config(cfg)
     dp_size = ps.get_data_parallel_world_size()
     if cfg.algorithm.prompts_per_step % dp_size:
         raise ConfigError(f"algorithm.prompts_per_step ({cfg.algorithm.prompts_per_step}) must be "
@@ -129,6 +150,10 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
     policy = build_policy_model(model_cfg, spec=spec, seed=cfg.run.seed,
                                 calculate_per_token_loss=True)
     policy.config.finalize_model_grads_func = finalize_model_grads
+    if cfg.model.load is not None:
+        from megatron_calibclip.checkpoint import load_weights
+
+        load_weights(cfg.model.load, policy)  # converted HF weights or an earlier run
     ref_dtype = torch.bfloat16 if cfg.model.reference_dtype == "bf16" else torch.float32
     reference = build_reference_model(model_cfg, dtype=ref_dtype, spec=spec)
     copy_weights(policy, reference)

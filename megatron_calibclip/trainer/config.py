@@ -17,6 +17,7 @@ from megatron_calibclip.rollout import SamplingParams
 Precision = Literal["fp32", "bf16", "fp8"]
 
 
+
 @dataclass
 class RunConfig:
     name: str = "run"  # run name; outputs go to output_dir/name
@@ -26,7 +27,9 @@ class RunConfig:
     progress: bool = True  # live progress bar on rank 0
     tensorboard: bool = True  # also write TensorBoard events (needs the tensorboard package)
     plot: bool = True  # write summary.png at the end (needs matplotlib)
-    save_every: int = 0  # checkpoint every N steps (0: only at the end, if a manager is set)
+    checkpoint: bool = True  # save to run_dir/checkpoints and resume from its `latest`
+    save_every: int = 0  # also checkpoint every N steps (0: only at the end / on preemption)
+    keep_checkpoints: Optional[int] = None  # keep the newest N checkpoints (None: all)
 
 
 @dataclass
@@ -154,6 +157,7 @@ class TrainConfig:
             raise ConfigError("data.path is required when data.source is 'jsonl'")
         if self.run.steps < 0:
             raise ConfigError("run.steps must be >= 0")
+
 
     @property
     def rollout_recipe(self) -> FP8Recipe:

@@ -36,6 +36,8 @@ class Checkpointer(Protocol):
 
 
 def _has_checkpoint(checkpointer) -> bool:
+    if checkpointer is None:
+        return False
     probe = getattr(checkpointer, "has_checkpoint", None)
     return bool(probe()) if callable(probe) else False
 
@@ -66,9 +68,13 @@ def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     dist.barrier()
     c = build_components(cfg, run_dir)
+    if checkpointer is None and cfg.run.checkpoint:
+        from megatron_calibclip.checkpoint import TrainerCheckpointer
+
+        checkpointer = TrainerCheckpointer(run_dir / "checkpoints",
+                                           keep_last=cfg.run.keep_checkpoints)
     start_step = 0
-    if cfg.warmup.steps > 0 and (checkpointer is None or checkpointer.load_latest is None
-                                 or not _has_checkpoint(checkpointer)):
+    if cfg.warmup.steps > 0 and not _has_checkpoint(checkpointer):  # a resumed run has had it
         _warmup(c, cfg, rank0)
         # the reference (KL anchor) is the policy RL starts from: the warmed-up one
         copy_weights(c.policy, c.reference)
@@ -80,20 +86,29 @@ def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
                            start_step=start_step)
     records = []
     t0 = time.perf_counter()
+    from megatron_calibclip.checkpoint import EXIT_PREEMPTED, PreemptionHandler
+
     try:
-        for step in range(start_step, cfg.run.steps):
-            t = time.perf_counter()
-            metrics = train_step(c, step)
-            metrics["time/step"] = time.perf_counter() - t
-            if c.skips.total:
-                metrics["data/skipped"] = float(c.skips.total)
-            logger.log(step, metrics)
-            records.append(metrics)
-            every = cfg.run.save_every
-            if checkpointer is not None and every and (step + 1) % every == 0:
-                checkpointer.save(step, c)
-        if checkpointer is not None and cfg.run.steps > start_step:
-            checkpointer.save(cfg.run.steps - 1, c)
+        with PreemptionHandler() as preempt:
+            for step in range(start_step, cfg.run.steps):
+                t = time.perf_counter()
+                metrics = train_step(c, step)
+                metrics["time/step"] = time.perf_counter() - t
+                if c.skips.total:
+                    metrics["data/skipped"] = float(c.skips.total)
+                logger.log(step, metrics)
+                records.append(metrics)
+                last = step == cfg.run.steps - 1
+                every = cfg.run.save_every
+                if preempt.should_stop():  # collective: every rank stops after this step
+                    if checkpointer is not None:
+                        checkpointer.save(step, c)
+                    if rank0:
+                        print(f"preempted: saved after step {step}; exiting with "
+                              f"{EXIT_PREEMPTED} (requeue)", flush=True)
+                    raise SystemExit(EXIT_PREEMPTED)
+                if checkpointer is not None and (last or (every and (step + 1) % every == 0)):
+                    checkpointer.save(step, c)
     finally:
         logger.close()
     if rank0 and records:

@@ -1,0 +1,275 @@
+"""CheckpointManager: the seam between a training loop and megatron's distributed checkpoints.
+
+Why one object: a checkpoint is only useful for resuming if model, optimizer, calibration
+state (CalibratedClipper), data cursor, step and every RNG are saved together and become
+visible together. The trainer calls::
+
+    ckpt = CheckpointManager(run_dir / "checkpoints")
+    resumed = ckpt.load_latest(model, optimizer, stateful={"clipper": clipper})
+    start = resumed.step if resumed else 0
+    ...
+    ckpt.save(step + 1, model, optimizer, stateful={"clipper": clipper},
+              extra_state={"data_cursor": dataset.state_dict()})
+
+Every rank calls save/load (they are collective). Model and optimizer go through megatron's
+sharded_state_dict, so a checkpoint saved at one TP/PP/DP loads at another; the RNG states are
+restored only when the layout is the same (they are per rank and have no meaning elsewhere).
+Frozen models (the KL reference) are saved alongside under their own key prefix.
+`extra_state` and the stateful objects are taken from rank 0 and must agree across ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Protocol, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import megatron.core
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from megatron_calibclip.checkpoint import layout as disk
+from megatron_calibclip.checkpoint.errors import CheckpointError
+from megatron_calibclip.checkpoint.info import CheckpointInfo, ParallelSizes
+from megatron_calibclip.checkpoint.rng import capture_rng_state, restore_rng_state
+from megatron_calibclip.checkpoint.strategy import StrategyName, save_strategy
+
+logger = logging.getLogger(__name__)
+
+STATE_KEY = "calibclip.state"  # rank 0's step, extra_state and stateful states (one object)
+RNG_KEY = "calibclip.rng"  # one RNG snapshot per rank
+# How megatron lays out optimizer state. "fully_reshardable": the distributed optimizer's
+# state is saved in model space (loadable at any TP/PP/DP; its default in megatron-core 0.16.1,
+# 'fully_sharded_model_space', fails there with "flattened_range is not supported"); no
+# per-sub-optimizer key prefix, so plain and distributed optimizers share keys.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                      "chained_optim_avoid_prefix": True}
+
+
+class Stateful(Protocol):
+    """Anything with state_dict()/load_state_dict(), e.g. calibration.CalibratedClipper."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    path: Path  # the checkpoint folder that was loaded
+    step: int  # the step it was saved at (the next step to run)
+    extra_state: dict[str, Any]  # what save() got as extra_state
+    rng_restored: bool  # False when the parallel layout changed (RNGs then keep their state)
+    info: CheckpointInfo  # the sidecar
+
+
+ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
+
+
+def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP / Float16Module wrappers down to the module that owns the parameters."""
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+        module = module.module
+    return module
+
+
+def _chunks(model: ModelArg) -> list[torch.nn.Module]:
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    return [unwrap_model(m) for m in chunks]
+
+
+def _model_sharded_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """{"model": ...} or, for virtual pipeline chunks, {"model0": ..., "model1": ...}."""
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _frozen_sharded_state(frozen: Mapping[str, torch.nn.Module]) -> dict[str, Any]:
+    return {f"frozen.{name}": unwrap_model(m).sharded_state_dict(prefix=f"{name}.")
+            for name, m in frozen.items()}
+
+
+def _merged_model_state(model_state: dict[str, Any]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for v in model_state.values():
+        merged.update(v)
+    return merged
+
+
+class CheckpointManager:
+    """Save and load complete training checkpoints under one root folder (see layout.py)."""
+
+    def __init__(self, root: Union[str, os.PathLike], *, keep_last: Optional[int] = None,
+                 strategy: StrategyName = "auto") -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.strategy = strategy
+
+    # ------------------------------------------------------------------ queries
+    def latest(self) -> Optional[Path]:
+        """The committed checkpoint folder, or None if nothing was saved yet."""
+        return disk.read_latest(self.root) if self.root.exists() else None
+
+    # ------------------------------------------------------------------ save
+    def save(
+        self,
+        step: int,
+        model: ModelArg,
+        optimizer: Any = None,
+        *,
+        stateful: Optional[Mapping[str, Stateful]] = None,
+        extra_state: Optional[Mapping[str, Any]] = None,
+        frozen: Optional[Mapping[str, torch.nn.Module]] = None,
+    ) -> Path:
+        """Write checkpoint `step` (collective) and make it `latest`; returns its folder.
+
+        step: number of completed steps (a resumed run continues with this step).
+        stateful: objects whose state_dict() is saved (rank 0's), e.g. {"clipper": clipper}.
+        extra_state: plain picklable values (rank 0's), e.g. {"data_cursor": ...}.
+        frozen: more models without optimizer state, e.g. {"reference": reference_model};
+            their checkpoint keys get the prefix "<name>.".
+        """
+        rank, world = dist.get_rank(), dist.get_world_size()
+        final = self.root / disk.step_dirname(step)
+        tmp = self.root / f"{disk.TMP_PREFIX}{final.name}"
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            disk.remove_stale(self.root)
+            tmp.mkdir()
+        dist.barrier()
+
+        chunks = _chunks(model)
+        model_state = _model_sharded_state(chunks)
+        state: dict[str, Any] = dict(model_state)
+        contents = ["model", "rng", "extra_state"]
+        if optimizer is not None:
+            state["optimizer"] = optimizer.sharded_state_dict(
+                _merged_model_state(model_state), metadata=dict(OPTIMIZER_METADATA))
+            contents.append("optimizer")
+        frozen = dict(frozen or {})
+        state.update(_frozen_sharded_state(frozen))
+        contents += [f"frozen:{name}" for name in sorted(frozen)]
+        stateful = dict(stateful or {})
+        contents += [f"stateful:{name}" for name in sorted(stateful)]
+        payload = {
+            "step": step,
+            "extra_state": dict(extra_state or {}),
+            "stateful": {name: obj.state_dict() for name, obj in stateful.items()},
+        }
+        state[STATE_KEY] = ShardedObject(STATE_KEY, payload, (1,), (0,), replica_id=rank)
+        state[RNG_KEY] = ShardedObject(RNG_KEY, capture_rng_state(), (world,), (rank,),
+                                       replica_id=0)
+        state["step"] = step  # also in common.pt, readable with plain torch.load
+        dist_checkpointing.save(state, str(tmp), sharded_strategy=save_strategy(self.strategy))
+
+        if rank == 0:
+            cfg = getattr(chunks[0], "calibclip_config", None)  # set by models.build_gpt_model
+            CheckpointInfo(
+                step=step,
+                layout=ParallelSizes.current(),
+                contents=tuple(contents),
+                model_config=None if cfg is None else dataclasses.asdict(cfg),
+                megatron_core=getattr(megatron.core, "__version__", ""),
+            ).write(tmp)
+        dist.barrier()
+        committed = [None]
+        if rank == 0:
+            committed[0] = disk.commit(tmp, final).name
+            if self.keep_last is not None:
+                disk.prune(self.root, self.keep_last)
+        dist.broadcast_object_list(committed, src=0)
+        return self.root / committed[0]
+
+    # ------------------------------------------------------------------ load
+    def load_latest(
+        self,
+        model: ModelArg,
+        optimizer: Any = None,
+        *,
+        stateful: Optional[Mapping[str, Stateful]] = None,
+        frozen: Optional[Mapping[str, torch.nn.Module]] = None,
+        restore_rng: bool = True,
+    ) -> Optional[LoadedCheckpoint]:
+        """Load the committed checkpoint into model/optimizer/stateful; None if there is none."""
+        path = self.latest()
+        if path is None:
+            return None
+        return self.load(path, model, optimizer, stateful=stateful, frozen=frozen,
+                         restore_rng=restore_rng)
+
+    def load(
+        self,
+        path: Union[str, os.PathLike],
+        model: ModelArg,
+        optimizer: Any = None,
+        *,
+        stateful: Optional[Mapping[str, Stateful]] = None,
+        frozen: Optional[Mapping[str, torch.nn.Module]] = None,
+        restore_rng: bool = True,
+    ) -> LoadedCheckpoint:
+        """Load checkpoint folder (or root with `latest`) `path`, at any TP/PP/DP (collective).
+
+        optimizer=None loads the model only (e.g. to start training from converted weights).
+        """
+        folder = disk.resolve_checkpoint(path)
+        info = CheckpointInfo.read(folder)
+        if optimizer is not None and "optimizer" not in info.contents:
+            raise CheckpointError(f"{folder} holds no optimizer state (contents: "
+                                  f"{', '.join(info.contents)}); load it with optimizer=None")
+        stateful, frozen = dict(stateful or {}), dict(frozen or {})
+        missing = [f"stateful:{n}" for n in stateful if f"stateful:{n}" not in info.contents]
+        missing += [f"frozen:{n}" for n in frozen if f"frozen:{n}" not in info.contents]
+        if missing:
+            raise CheckpointError(f"{folder} holds no state for {missing} (contents: "
+                                  f"{', '.join(info.contents)})")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        same_layout = info.layout == ParallelSizes.current()
+
+        chunks = _chunks(model)
+        model_state = _model_sharded_state(chunks)
+        request: dict[str, Any] = dict(model_state)
+        if optimizer is not None:
+            request["optimizer"] = optimizer.sharded_state_dict(
+                _merged_model_state(model_state), is_loading=True,
+                metadata=dict(OPTIMIZER_METADATA))
+        request.update(_frozen_sharded_state(frozen))
+        request[STATE_KEY] = ShardedObject(STATE_KEY, None, (1,), (0,), replica_id=rank)
+        load_rng = restore_rng and same_layout
+        if load_rng:
+            request[RNG_KEY] = ShardedObject(RNG_KEY, None, (world,), (rank,), replica_id=0)
+        try:
+            loaded = dist_checkpointing.load(request, str(folder))
+        except Exception as err:  # megatron raises several types; name the folder
+            raise CheckpointError(f"cannot load {folder}: {type(err).__name__}: {err}") from err
+
+        for key, chunk in zip(model_state, chunks):
+            chunk.load_state_dict(loaded[key], strict=True)
+        for name, module in frozen.items():
+            prefix = f"{name}."
+            unwrap_model(module).load_state_dict(
+                {k[len(prefix):]: v for k, v in loaded[f"frozen.{name}"].items()}, strict=True)
+        if optimizer is not None:
+            optimizer.load_state_dict(loaded["optimizer"])
+        payload = loaded[STATE_KEY]
+        for name, obj in stateful.items():
+            obj.load_state_dict(payload["stateful"][name])
+        if load_rng:
+            restore_rng_state(loaded[RNG_KEY])
+        elif restore_rng and rank == 0:
+            logger.warning("checkpoint %s was saved at %s, loading at %s: RNG states not "
+                           "restored", folder, info.layout, ParallelSizes.current())
+        return LoadedCheckpoint(folder, int(payload["step"]), dict(payload["extra_state"]),
+                                load_rng, info)
+
+
+def load_weights(path: Union[str, os.PathLike], model: ModelArg) -> LoadedCheckpoint:
+    """Model weights only (no optimizer, no RNG) from a checkpoint folder or root, at any
+    layout: how a new run starts from converted HF weights (trainer `model.load`)."""
+    return CheckpointManager(path).load(path, model, restore_rng=False)
