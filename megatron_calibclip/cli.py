@@ -102,8 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_calibclip.bench.cli import add_bench_parser
     from megatron_calibclip.checkpoint.cli import add_convert_parser
 
+    from megatron_calibclip.planner.cli import add_plan_parser
+    from megatron_calibclip.probe.cli import add_probe_parser
+
     add_bench_parser(sub)
     add_convert_parser(sub)
+    add_plan_parser(sub)
+    add_probe_parser(sub)
     return parser
 
 

@@ -36,7 +36,7 @@ from megatron_calibclip.fp8.precision import (
     reset_fp8_state,
     set_precision,
 )
-from megatron_calibclip.fp8.quantize import Quantized, quantize, quantize_dequantize
+from megatron_calibclip.fp8.quantize import NonFiniteError, Quantized, quantize, quantize_dequantize
 from megatron_calibclip.fp8.recipe import BLOCK, MX_BLOCK, FP8Recipe
 from megatron_calibclip.fp8.te import (
     apply_te_precision,
@@ -53,6 +53,7 @@ __all__ = [
     "E5M2",
     "FORMATS",
     "MX_BLOCK",
+    "NonFiniteError",
     "AmaxHistory",
     "EmulatedColumnParallelLinear",
     "EmulatedRowParallelLinear",

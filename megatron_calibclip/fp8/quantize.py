@@ -32,6 +32,14 @@ from megatron_calibclip.fp8.scales import (
 )
 
 
+class NonFiniteError(ValueError):
+    """A tensor handed to FP8 quantization holds NaN or inf.
+
+    Transformer Engine would propagate a NaN silently (and saturate an inf to the format's
+    max); the emulation stops instead and says which operand it was, since a non-finite
+    activation, weight or gradient is always a bug upstream of the GEMM."""
+
+
 @dataclass
 class Quantized:
     """FP8 data in its block layout, with the dequantization multipliers of each block."""
@@ -120,11 +128,19 @@ def quantize(
     axis: int = -1,
     state: Optional[AmaxHistory] = None,
 ) -> Quantized:
-    """Quantize `x` for one GEMM operand. `state` is required (and updated) for "delayed"."""
+    """Quantize `x` for one GEMM operand. `state` is required (and updated) for "delayed".
+
+    Raises NonFiniteError if `x` holds NaN or inf (before any delayed-scaling update)."""
     _check_role(role)
     fmt = recipe.element_format(role)
     blocks, dims, unblock = _block_view(x.detach().float(), recipe, role, axis)
     amax = blocks.abs().amax(dim=dims, keepdim=True)
+    if not bool(torch.isfinite(amax).all()):  # amax is NaN/inf iff a block holds NaN/inf
+        bad = int((~torch.isfinite(x.detach())).sum())
+        raise NonFiniteError(
+            f"quantize: {role} tensor of shape {list(x.shape)} has {bad} non-finite value(s) "
+            f"(NaN/inf); FP8 scaling needs finite inputs ({recipe.granularity}, axis={axis})"
+        )
     if recipe.granularity == "mxfp8":
         exponent = e8m0_exponent(amax, fmt)
         data = cast_to_fp8(blocks * e8m0_scale(exponent), fmt)
