@@ -157,7 +157,7 @@ def test_requeue_mechanics_with_a_contract_stub(slurm_cluster, tmp_path):
         slurm_cluster, tmp_path, "ci-stub",
         ["--set", f"run.steps={steps}", "--set", "run.save_every=1",
          "--set", "stub.step_seconds=0.5"], steps,
-        python=str(CONTRACT_PYTHON), first_ckpt_timeout=60, finish_timeout=90)
+        python=str(CONTRACT_PYTHON), first_ckpt_timeout=180, finish_timeout=300)
     attempts = _attempts(run_dir)
     assert [(a["exit"], a["action"]) for a in attempts] == [("75", "requeued"), ("0", "done")], log
     assert info["JobState"] == "COMPLETED" and info.get("Restarts") == "1", (info, log)
@@ -171,7 +171,7 @@ def test_preempted_job_resumes_from_its_checkpoint_and_finishes(slurm_cluster, t
     info, run_dir, log = _preempt_and_finish(
         slurm_cluster, tmp_path, "ci-preempt",
         ["--set", f"run.steps={steps}", "--set", "run.save_every=3", *TINY], steps,
-        python=sys.executable, first_ckpt_timeout=90, finish_timeout=150)
+        python=sys.executable, first_ckpt_timeout=420, finish_timeout=600)
     attempts = _attempts(run_dir)
     assert attempts and attempts[0]["exit"] == "75", (
         f"the preempted attempt should exit 75 after saving (got {attempts}): the trainer must "
