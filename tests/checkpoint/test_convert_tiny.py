@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from tests.checkpoint.hf_models import CASES, build_hf_model, hf_logits, save_hf_model, tokens
 from tests.checkpoint.helpers import first_not_none, logits_any_layout, max_abs_diff
 
-pytest.importorskip("transformers")
+import transformers  # noqa: F401,E402  (installed by `make test`)
 pytestmark = pytest.mark.dist
 
 # Layout each case is converted at (every family is written at TP=2 and at PP=2 once).

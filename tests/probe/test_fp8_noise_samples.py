@@ -78,7 +78,6 @@ def _load_body(rank, world_size, folder):
 
 @pytest.mark.dist
 def test_probe_loads_an_hf_folder_and_dithers_ties(dist_pool, tmp_path):
-    pytest.importorskip("megatron_calibclip.checkpoint.hf_to_mcore")
     _write_tiny_hf(tmp_path / "hf")
     res = dist_pool(2).run(_load_body, str(tmp_path / "hf"))[0]
     model = res["model"]
