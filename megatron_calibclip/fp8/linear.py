@@ -34,6 +34,18 @@ from megatron_calibclip.fp8.quantize import quantize_dequantize, same_both_ways
 from megatron_calibclip.fp8.recipe import ROLE_VALUES, FP8Recipe
 
 
+def _transposed_copy(t: torch.Tensor, tq: torch.Tensor, recipe, role: str) -> torch.Tensor:
+    """The operand of the transposed GEMM: TE quantizes each GEMM's copy along that GEMM's
+    reduction dimension, which differs from the forward copy `tq` unless the scaling is the
+    same both ways (tensorwise/delayed, or blocks symmetric in both axes)."""
+    return tq if same_both_ways(recipe, role) else quantize_dequantize(t, recipe, role, axis=0)
+
+
+def _wgrad_operand(t: torch.Tensor, tq: torch.Tensor, recipe, role: str) -> torch.Tensor:
+    """Activation or gradient as the weight-gradient GEMM reads it (BF16 if fp8_wgrad is off)."""
+    return _transposed_copy(t, tq, recipe, role) if recipe.fp8_wgrad else round_to_bf16(t)
+
+
 @dataclass
 class _Gemm:
     """What one emulated GEMM call needs besides its tensors."""
@@ -72,15 +84,9 @@ class _EmulatedLinearFunction(torch.autograd.Function):
             if bias is not None:
                 out = out + bias.float()
             if need_wgrad:
-                if not recipe.fp8_wgrad:
-                    x_for_wgrad = round_to_bf16(x2)
-                elif same_both_ways(recipe, "activation"):
-                    x_for_wgrad = xf
-                else:
-                    x_for_wgrad = quantize_dequantize(x2, recipe, "activation", axis=0)
+                x_for_wgrad = _wgrad_operand(x2, xf, recipe, "activation")
             if need_dgrad:
-                w_for_dgrad = wf if same_both_ways(recipe, "weight") else \
-                    quantize_dequantize(w, recipe, "weight", axis=0)
+                w_for_dgrad = _transposed_copy(w, wf, recipe, "weight")
         ctx.save_for_backward(x_for_wgrad, w_for_dgrad)
         ctx.gemm = gemm
         ctx.has_bias = bias is not None
@@ -103,14 +109,7 @@ class _EmulatedLinearFunction(torch.autograd.Function):
         else:
             recipe = gemm.recipe
             g_dgrad = _qd(g2, gemm, "grad", -1)  # the one (delayed) update of the grad amax
-            if not need_wgrad:
-                g_wgrad = None
-            elif not recipe.fp8_wgrad:
-                g_wgrad = round_to_bf16(g2)
-            elif same_both_ways(recipe, "grad"):
-                g_wgrad = g_dgrad
-            else:
-                g_wgrad = quantize_dequantize(g2, recipe, "grad", axis=0)
+            g_wgrad = _wgrad_operand(g2, g_dgrad, recipe, "grad") if need_wgrad else None
         if need_dgrad:
             grad_x = g_dgrad @ w_for_dgrad
             if gemm.mode == "bf16":

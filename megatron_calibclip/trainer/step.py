@@ -19,6 +19,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megatron_calibclip.rl import (
     dynamic_sampling_filter,
@@ -27,7 +28,7 @@ from megatron_calibclip.rl import (
     overlong_penalty,
     policy_loss,
 )
-from megatron_calibclip.rl.diagnostics import EXTREMA_REDUCE
+from megatron_calibclip.rl.diagnostics import FRACTIONS, merge_counts, merge_extrema
 from megatron_calibclip.rollout import RolloutBatch
 from megatron_calibclip.trainer.components import Components
 from megatron_calibclip.trainer.forward import (
@@ -37,9 +38,6 @@ from megatron_calibclip.trainer.forward import (
     split_micro_batches,
     token_logprobs,
 )
-
-COUNT_KEYS_EXTRA = ("entropy_sum", "entropy_tokens")
-
 
 @dataclass
 class StepData:
@@ -227,8 +225,8 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
     # ---- mini-batch updates ------------------------------------------------------------
     n = b.batch_size
     chunks = np.array_split(np.arange(n), cfg.algorithm.mini_batches)
-    counts_total: dict[str, torch.Tensor] = {}
-    extrema_total: dict[str, float] = {}
+    mb_counts: list[dict] = []  # per micro-batch, summed once at the end
+    mb_extrema: list[dict] = []
     grad_norms = []
     loss_values: list[float] = []
     loss_kw = cfg.loss.loss_kwargs()
@@ -280,24 +278,13 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
             ok, grad_norm, _ = c.optimizer.step()
         grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
         # per-token FP8 log-probs of this update's forward, on every stage of the replica
-        from megatron.core import parallel_state as ps
-
         shape = (len(mbs) * mbs[0]["tokens"].shape[0], b.tokens.shape[1] - 1)
         cur = torch.cat([o["lp"] for o in outs]) if ps.is_pipeline_last_stage() else None
         cur = broadcast_from_last_stage(cur, shape, torch.float32)[:rows]
         if ps.is_pipeline_last_stage():
             loss_values.extend(float(o["loss"]) for o in outs if o["loss"] is not None)
-            for o in outs:
-                if o["counts"] is None:
-                    continue
-                for k, v in o["counts"].items():
-                    counts_total[k] = counts_total.get(k, 0) + v
-                for k, v in o["extrema"].items():
-                    f = float(v)
-                    if k in extrema_total:
-                        f = min(f, extrema_total[k]) if EXTREMA_REDUCE[k] == "min" else max(
-                            f, extrema_total[k])
-                    extrema_total[k] = f
+            mb_counts.extend(o["counts"] for o in outs if o["counts"] is not None)
+            mb_extrema.extend(o["extrema"] for o in outs if o["counts"] is not None)
         if calibrating:
             acc.add(cur - old_lp[idx], tensors["shadow_lr"], tensors["adv"], mask)
 
@@ -308,35 +295,26 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
             c.clipper.update(result, step)
         stats.update(c.clipper.metrics())
         stats["calib/ran"] = 1.0
-    stats.update(_reduce_loss_metrics(c, counts_total, extrema_total))
+    counts_total = merge_counts(mb_counts) if mb_counts else {}
+    stats.update(_reduce_loss_metrics(c, counts_total, merge_extrema(mb_extrema)))
     stats.update(_batch_metrics(c, data))
     stats["grad_norm"] = float(np.nanmean(grad_norms)) if grad_norms else float("nan")
     stats["clip/lower"], stats["clip/upper"] = lower, upper
     if c.clipper is not None:
         stats["clip/next_lower"], stats["clip/next_upper"] = c.clipper.next_bounds
     total_loss = torch.tensor([sum(loss_values)], dtype=torch.float64)
-    total_loss = broadcast_from_last_stage(total_loss if _last_stage() else None, (1,),
+    total_loss = broadcast_from_last_stage(total_loss if ps.is_pipeline_last_stage() else None, (1,),
                                            torch.float64)
     stats["loss/total"] = float(_dp_all_reduce(total_loss, c.dp_group)) / max(len(grad_norms), 1)
     return stats
 
 
-def _last_stage() -> bool:
-    from megatron.core import parallel_state as ps
-
-    return ps.is_pipeline_last_stage()
-
-
 def _reduce_loss_metrics(c: Components, counts: dict, extrema: dict) -> dict[str, float]:
     """Sum counts over micro-batches (done) and DP ranks; share them across PP stages."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_calibclip.rl.diagnostics import FRACTIONS
-
     keys = sorted({k for pair in FRACTIONS.values() for k in pair})
     vec = torch.tensor([float(counts.get(k, 0.0)) for k in keys], dtype=torch.float64)
-    mins = torch.tensor([extrema.get("ratio_min", float("inf")),
-                         -extrema.get("ratio_max", float("-inf"))], dtype=torch.float64)
+    mins = torch.tensor([float(extrema.get("ratio_min", float("inf"))),
+                         -float(extrema.get("ratio_max", float("-inf")))], dtype=torch.float64)
     vec = broadcast_from_last_stage(vec if ps.is_pipeline_last_stage() else None,
                                     vec.shape, torch.float64)
     mins = broadcast_from_last_stage(mins if ps.is_pipeline_last_stage() else None,

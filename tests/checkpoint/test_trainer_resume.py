@@ -1,35 +1,16 @@
 """The real trainer (trainer/loop.py) with TrainerCheckpointer: a run stopped after step k and
 resumed in a new `train` call reproduces the uninterrupted run's metrics (losses, rewards,
-clip bounds) and final weights exactly. Skipped if the trainer is not importable."""
+clip bounds) and final weights exactly."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from tests.train_configs import TINY_TRAIN, merge
+
 pytestmark = pytest.mark.dist
 
-CFG = {
-    "run": {"steps": 4, "progress": False, "tensorboard": False, "plot": False, "seed": 1},
-    "model": {"preset": "tiny"},
-    "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 32,
-             "task_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-             "tokenizer": "train:160", "template": "{prompt}", "max_prompt_tokens": 64},
-    "rollout": {"precision": "fp8", "sampling": {"max_new_tokens": 3}},
-    "algorithm": {"group_size": 4, "prompts_per_step": 4, "mini_batches": 2,
-                  "micro_batch_size": 4, "logprob_micro_batch_size": 8},
-    "clipping": {"mode": "calibrated", "calibration": {"period": 2}},
-    "optimizer": {"lr": 1e-3},
-    "warmup": {"steps": 2, "prompts_per_step": 8},
-    "precision": "fp8",
-    "fp8": {"format": "hybrid", "granularity": "tensorwise"},
-}
-
-
-def _with(cfg, **sections):
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
-    for k, v in sections.items():
-        out[k] = {**out.get(k, {}), **v}
-    return out
+CFG = merge(TINY_TRAIN, {"run": {"tensorboard": False, "plot": False}, "warmup": {"steps": 2}})
 
 
 def _body(rank, world_size, out_dir, k):
@@ -49,13 +30,13 @@ def _body(rank, world_size, out_dir, k):
                 "reference": full_state(components.reference, cfg.num_layers, cfg.vocab_size,
                                         False)}
 
-    straight_cfg = _with(CFG, run={"name": "straight", "output_dir": out_dir})
+    straight_cfg = merge(CFG, {"run": {"name": "straight", "output_dir": out_dir}})
     straight = train(from_dict(TrainConfig, straight_cfg),
                      checkpointer=Capturing(f"{out_dir}/straight-ckpt"))["records"]
     final = captured.pop(CFG["run"]["steps"] - 1)
-    resumed_cfg = _with(CFG, run={"name": "resumed", "output_dir": out_dir})
+    resumed_cfg = merge(CFG, {"run": {"name": "resumed", "output_dir": out_dir}})
     ckpt = f"{out_dir}/resumed-ckpt"
-    first = train(from_dict(TrainConfig, _with(resumed_cfg, run={"steps": k})),
+    first = train(from_dict(TrainConfig, merge(resumed_cfg, {"run": {"steps": k}})),
                   checkpointer=Capturing(ckpt))["records"]
     second = train(from_dict(TrainConfig, resumed_cfg), checkpointer=Capturing(ckpt))["records"]
     return straight, first, second, final, captured[CFG["run"]["steps"] - 1]
@@ -68,7 +49,6 @@ def _numbers(record):
 
 
 def test_trainer_resume_matches_uninterrupted_run(dist_pool, tmp_path):
-    pytest.importorskip("megatron_calibclip.trainer")
     k, n = 2, CFG["run"]["steps"]
     results = dist_pool(2).run(_body, str(tmp_path), k, timeout=600)
     for straight, first, second, final_straight, final_resumed in results:

@@ -3,23 +3,11 @@ import math
 
 import pytest
 
+from tests.train_configs import TINY_TRAIN, merge
+
 pytestmark = pytest.mark.dist
 
-BASE = {
-    "run": {"steps": 4, "progress": False, "tensorboard": True, "plot": True, "seed": 1},
-    "model": {"preset": "tiny"},
-    "data": {"source": "reasoning_gym", "task": "chain_sum", "size": 32,
-             "task_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-             "tokenizer": "train:160", "template": "{prompt}", "max_prompt_tokens": 64},
-    "rollout": {"precision": "fp8", "sampling": {"max_new_tokens": 3}},
-    "algorithm": {"group_size": 4, "prompts_per_step": 4, "mini_batches": 2,
-                  "micro_batch_size": 4, "logprob_micro_batch_size": 8},
-    "clipping": {"mode": "calibrated", "calibration": {"period": 2}},
-    "optimizer": {"lr": 1e-3},
-    "warmup": {"steps": 3, "prompts_per_step": 8},
-    "precision": "fp8",
-    "fp8": {"format": "hybrid", "granularity": "tensorwise"},
-}
+BASE = TINY_TRAIN
 
 # metrics every run must log (SPEC "Metrics every run logs" + issue 6)
 REQUIRED = ["reward_mean", "accuracy", "response_length_mean", "loss/entropy_mean",
@@ -31,18 +19,11 @@ CALIBRATION_ONLY = ["loss/phantom_clipfrac", "loss/shadow_clipfrac_lower", "cali
                     "time/shadow", "time/calibration"]
 
 
-def _merge(base, override):
-    out = dict(base)
-    for k, v in override.items():
-        out[k] = _merge(base.get(k, {}), v) if isinstance(v, dict) else v
-    return out
-
-
 def _train_body(rank, world_size, cfg_dict, out_dir):
     from megatron_calibclip.config import from_dict
     from megatron_calibclip.trainer import TrainConfig, train
 
-    cfg_dict = _merge(cfg_dict, {"run": {"output_dir": out_dir}})
+    cfg_dict = merge(cfg_dict, {"run": {"output_dir": out_dir}})
     result = train(from_dict(TrainConfig, cfg_dict))
     return result["records"]
 
@@ -62,7 +43,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_end_to_end(dist_pool, tmp_path, case):
-    cfg = _merge(_merge(BASE, CASES[case]), {"run": {"name": case}})
+    cfg = merge(merge(BASE, CASES[case]), {"run": {"name": case}})
     results = dist_pool(2).run(_train_body, cfg, str(tmp_path), timeout=300)
     assert _same_numbers(results[0], results[1]), \
         "every rank must report the same metrics"
