@@ -116,6 +116,34 @@ def initialize_distributed(
     return env
 
 
+# Process groups created by megatron's initialize_model_parallel, destroyed by
+# teardown_model_parallel. Why: megatron's destroy_model_parallel only drops its references;
+# torch.distributed keeps every group (and, with gloo, its 2-3 polling threads) registered
+# until destroyed. A process that re-initialises megatron (the test pool's workers, tools that
+# switch layouts) would otherwise accumulate thousands of threads: measured here, two workers
+# reached ~1,900 threads each and most of two cores went to their polling.
+_OWNED_GROUPS: list = []
+
+
+def _registered_groups() -> list:
+    """Every process group torch.distributed has registered (private map; [] if it moved)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return list(getattr(world, "pg_map", {}) or {})
+
+
+def _destroy_owned_groups() -> None:
+    default = dist.group.WORLD if dist.is_initialized() else None
+    alive = set(_registered_groups())
+    for group in reversed(_OWNED_GROUPS):
+        if group is default or group not in alive:
+            continue
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - best effort: never fail a teardown
+            pass
+    _OWNED_GROUPS.clear()
+
+
 def initialize_model_parallel(layout: ParallelLayout, *, seed: int = 1234) -> None:
     """Create megatron's TP/PP/CP/DP groups (torch.distributed must be up) and seed RNGs."""
     from megatron.core import parallel_state
@@ -128,21 +156,24 @@ def initialize_model_parallel(layout: ParallelLayout, *, seed: int = 1234) -> No
     layout.data_parallel_size(dist.get_world_size())
     apply_cpu_patches()  # no-op with CUDA
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+        teardown_model_parallel()
+    before = set(_registered_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
     )
+    _OWNED_GROUPS.extend(g for g in _registered_groups() if g not in before)
     model_parallel_cuda_manual_seed(seed)
 
 
 def teardown_model_parallel() -> None:
-    """Destroy megatron's groups (if any); torch.distributed stays up."""
+    """Destroy megatron's groups (if any) and free them; torch.distributed stays up."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    _destroy_owned_groups()
     # megatron keeps a global memory buffer and the RNG tracker across inits
     try:
         from megatron.core.tensor_parallel import random as mp_random

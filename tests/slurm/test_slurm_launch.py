@@ -46,7 +46,11 @@ def _submit(cluster, tmp_path: Path, name: str, overrides: list[str], *, wait: b
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def _wait_final(cluster, job_id: str, timeout: float) -> dict:
+def _wait_final(cluster, job_id: str, timeout: float, job_log: Path | None = None) -> dict:
+    """Poll until the job ends; past `timeout`, cancel it and fail with the job's own log.
+
+    Every caller's waits add up to less than its pytest timeout, so a slow or stuck job fails
+    here, with the log that says where it was, instead of in pytest-timeout's thread dump."""
     deadline = time.monotonic() + timeout
     info = cluster.job(job_id)
     while info.get("JobState") not in FINAL_STATES and time.monotonic() < deadline:
@@ -54,8 +58,12 @@ def _wait_final(cluster, job_id: str, timeout: float) -> dict:
         info = cluster.job(job_id)
     if info.get("JobState") not in FINAL_STATES:
         cluster.run("scancel", job_id, check=False)
-        raise AssertionError(f"job {job_id} still {info.get('JobState')} after {timeout:.0f}s\n"
-                             f"{cluster.logs()}")
+        text = job_log.read_text() if job_log and job_log.exists() else "(no job log)"
+        attempts = _attempts(job_log.parent / "runs" / info.get("JobName", "")) if job_log else []
+        raise AssertionError(
+            f"job {job_id} still {info.get('JobState')} ({info.get('Reason')}, "
+            f"{info.get('Restarts')} restart(s)) after {timeout:.0f}s; attempts {attempts}\n"
+            f"--- job log\n{text[-6000:]}\n{cluster.logs()}")
     return info
 
 
@@ -86,8 +94,13 @@ def _job_log(tmp_path: Path, name: str, job_id: str) -> str:
 def basic_job(slurm_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("slurm-basic")
     t0 = time.monotonic()
-    out = _submit(slurm_cluster, tmp, "ci-basic",
-                  ["--set", "run.steps=3", "--set", "run.save_every=2", *TINY], wait=True)
+    try:
+        out = _submit(slurm_cluster, tmp, "ci-basic",
+                      ["--set", "run.steps=3", "--set", "run.save_every=2", *TINY], wait=True)
+    except subprocess.TimeoutExpired:
+        slurm_cluster.run("scancel", "--name=ci-basic", check=False)
+        logs = "\n".join(p.read_text()[-6000:] for p in tmp.glob("ci-basic-*.out"))
+        pytest.fail(f"sbatch --wait did not return within 300 s\n{logs}\n{slurm_cluster.logs()}")
     job_id = out.stdout.strip().split(";")[0]
     info = slurm_cluster.job(job_id) if job_id else {}
     print(f"\nsbatch --wait returned {out.returncode} after {time.monotonic() - t0:.1f}s "
@@ -143,13 +156,14 @@ def _preempt_and_finish(cluster, tmp_path: Path, name: str, overrides: list[str]
             f"(checkpoint contract)\n{_job_log(tmp_path, name, job_id)}")
     t_signal = time.monotonic() - t0
     cluster.run("scancel", "--signal=USR1", job_id)  # what `#SBATCH --signal=USR1@300` sends
-    info = _wait_final(cluster, job_id, finish_timeout)
+    info = _wait_final(cluster, job_id, finish_timeout, tmp_path / f"{name}-{job_id}.out")
     log = _job_log(tmp_path, name, job_id)
     print(f"\n{name}: first checkpoint after {t_signal:.1f}s, SIGUSR1 sent, job {info['JobState']} "
           f"after {time.monotonic() - t0:.1f}s with {info.get('Restarts')} restart(s)")
     return info, run_dir, log
 
 
+@pytest.mark.timeout(600)
 def test_requeue_mechanics_with_a_contract_stub(slurm_cluster, tmp_path):
     """train.sbatch alone: exit 75 -> scontrol requeue -> same job resumes -> done."""
     steps = 8
@@ -157,7 +171,7 @@ def test_requeue_mechanics_with_a_contract_stub(slurm_cluster, tmp_path):
         slurm_cluster, tmp_path, "ci-stub",
         ["--set", f"run.steps={steps}", "--set", "run.save_every=1",
          "--set", "stub.step_seconds=0.5"], steps,
-        python=str(CONTRACT_PYTHON), first_ckpt_timeout=180, finish_timeout=300)
+        python=str(CONTRACT_PYTHON), first_ckpt_timeout=200, finish_timeout=300)
     attempts = _attempts(run_dir)
     assert [(a["exit"], a["action"]) for a in attempts] == [("75", "requeued"), ("0", "done")], log
     assert info["JobState"] == "COMPLETED" and info.get("Restarts") == "1", (info, log)
@@ -165,13 +179,14 @@ def test_requeue_mechanics_with_a_contract_stub(slurm_cluster, tmp_path):
     assert "resumes from" in log and "resuming at step" in log, log
 
 
+@pytest.mark.timeout(900)
 def test_preempted_job_resumes_from_its_checkpoint_and_finishes(slurm_cluster, tmp_path):
     """The real trainer under the checkpoint contract (fails until the trainer side lands)."""
     steps = 12
     info, run_dir, log = _preempt_and_finish(
         slurm_cluster, tmp_path, "ci-preempt",
         ["--set", f"run.steps={steps}", "--set", "run.save_every=3", *TINY], steps,
-        python=sys.executable, first_ckpt_timeout=420, finish_timeout=600)
+        python=sys.executable, first_ckpt_timeout=300, finish_timeout=480)
     attempts = _attempts(run_dir)
     assert attempts and attempts[0]["exit"] == "75", (
         f"the preempted attempt should exit 75 after saving (got {attempts}): the trainer must "
