@@ -50,6 +50,23 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                       "chained_optim_avoid_prefix": True}
 
 
+# Contents tag of a checkpoint whose optimizer had not stepped yet (e.g. DAPO skipped every
+# step so far): megatron cannot save an empty Adam state in a form it can load back (the load
+# request always asks for exp_avg/exp_avg_sq), and a fresh optimizer is exactly that state.
+FRESH_OPTIMIZER = "optimizer:fresh"
+
+
+def _optimizer_has_state(optimizer: Any) -> bool:
+    """Collective: has any rank's optimizer taken a step (Adam moments exist)?"""
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    local = any(len(getattr(getattr(o, "optimizer", o), "state", {}) or {}) for o in inner)
+    flag = torch.tensor([int(local)], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 class Stateful(Protocol):
     """Anything with state_dict()/load_state_dict(), e.g. calibration.CalibratedClipper."""
 
@@ -149,7 +166,9 @@ class CheckpointManager:
         model_state = _model_sharded_state(chunks)
         state: dict[str, Any] = dict(model_state)
         contents = ["model", "rng", "extra_state"]
-        if optimizer is not None:
+        if optimizer is not None and not _optimizer_has_state(optimizer):
+            contents.append(FRESH_OPTIMIZER)
+        elif optimizer is not None:
             state["optimizer"] = optimizer.sharded_state_dict(
                 _merged_model_state(model_state), metadata=dict(OPTIMIZER_METADATA))
             contents.append("optimizer")
@@ -220,7 +239,9 @@ class CheckpointManager:
         """
         folder = disk.resolve_checkpoint(path)
         info = CheckpointInfo.read(folder)
-        if optimizer is not None and "optimizer" not in info.contents:
+        if optimizer is not None and FRESH_OPTIMIZER in info.contents:
+            optimizer = None  # saved before the first optimizer step: keep the fresh one
+        elif optimizer is not None and "optimizer" not in info.contents:
             raise CheckpointError(f"{folder} holds no optimizer state (contents: "
                                   f"{', '.join(info.contents)}); load it with optimizer=None")
         stateful, frozen = dict(stateful or {}), dict(frozen or {})

@@ -205,8 +205,10 @@ def _resume_body(rank, world_size, root, k, n):
     return straight, restarted, control
 
 
-def test_resume_is_bit_identical(dist_pool, tmp_path):
-    k, n = 2, 4
+@pytest.mark.parametrize("k", [2, 0], ids=["after-2-steps", "before-any-optimizer-step"])
+def test_resume_is_bit_identical(dist_pool, tmp_path, k):
+    """k=0: saved before the optimizer ever stepped (DAPO can skip its first steps)."""
+    n = 4
     results = dist_pool(2).run(_resume_body, str(tmp_path / "ckpt"), k, n)
     for straight, restarted, control in results:
         assert len(straight[0]) == len(restarted[0]) == n
