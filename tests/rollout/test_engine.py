@@ -122,3 +122,27 @@ def test_empty_prompts_are_rejected():
         engine.generate([], SamplingParams(), seed=0)
     with pytest.raises(ValueError, match="at least one token"):
         engine.generate([[1], []], SamplingParams(), seed=0)
+
+
+def _prefill_shapes_body(rank, world_size):
+    from megatron_calibclip.models import build_policy_model, get_preset
+    from megatron_calibclip.parallel import model_parallel
+    from megatron_calibclip.rollout import MegatronRolloutEngine
+
+    with model_parallel():
+        cfg = get_preset("tiny")
+        model = build_policy_model(cfg, seed=0)
+        shapes = []
+        model.register_forward_hook(lambda m, args, out: shapes.append(tuple(out.shape)))
+        engine = MegatronRolloutEngine(model, cfg.vocab_size, eos_id=-1, pad_id=0)
+        engine.generate(PROMPTS[:3], SamplingParams(max_new_tokens=3, greedy=True), seed=0)
+        return shapes, max(len(p) for p in PROMPTS[:3])
+
+
+def test_prefill_materialises_only_last_position_logits(dist_pool):
+    """Memory: the prefill must not hold b x prompt_len x V logits (a 32B rollout of 512
+    prompts x 2k tokens x 152k vocab would need ~600 GB in fp32). megatron's static inference
+    context slices the last position before the output layer; this guards that contract."""
+    shapes, width = dist_pool(1).run(_prefill_shapes_body)[0]
+    assert width > 1
+    assert [s[:2] for s in shapes] == [(3, 1)] * 3, shapes
