@@ -64,7 +64,7 @@ def _hf_to_mcore_on_rank(hf_dir: str, out_dir: str, dtype: str, vocab_multiple: 
     from megatron_calibclip.checkpoint.hf_to_mcore import convert_hf_to_mcore
 
     return str(convert_hf_to_mcore(hf_dir, out_dir, params_dtype=getattr(torch, dtype),
-                                   make_vocab_size_divisible_by=vocab_multiple))
+                                   make_vocab_size_divisible_by=vocab_multiple, progress=True))
 
 
 def _run(args: argparse.Namespace) -> str:
@@ -91,7 +91,7 @@ def _run(args: argparse.Namespace) -> str:
         from megatron_calibclip.checkpoint.mcore_to_hf import convert_mcore_to_hf
 
         dtype = getattr(torch, args.dtype) if args.dtype else None
-        return str(convert_mcore_to_hf(args.ckpt_dir, args.out_dir, dtype=dtype))
+        return str(convert_mcore_to_hf(args.ckpt_dir, args.out_dir, dtype=dtype, progress=True))
     if cmd == "gguf-to-hf":
         from megatron_calibclip.checkpoint.gguf import gguf_to_hf, smollm2_gguf_path
 

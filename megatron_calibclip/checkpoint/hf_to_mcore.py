@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +28,7 @@ from megatron_calibclip.checkpoint.hf_io import (
     hf_asset_files,
 )
 from megatron_calibclip.checkpoint.manager import CheckpointManager, unwrap_model
+from megatron_calibclip.checkpoint.progress import progress as progress_bar
 from megatron_calibclip.models.config import ModelConfig
 from megatron_calibclip.models.init import global_param_name, shard_of
 
@@ -93,13 +95,18 @@ class HFSource:
 
 
 @torch.no_grad()
-def load_hf_into_model(model: torch.nn.Module, source: HFSource) -> None:
-    """Fill this rank's stage/shard of `model` (built from source.cfg) from the HF weights."""
+def load_hf_into_model(model: torch.nn.Module, source: HFSource, *,
+                       progress: bool = False) -> None:
+    """Fill this rank's stage/shard of `model` (built from source.cfg) from the HF weights.
+
+    progress: draw a bar of this rank's parameters (the caller enables it on one rank)."""
     model = unwrap_model(model)
     cfg = source.cfg
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    for local_name, param in model.named_parameters():
+    params = list(model.named_parameters())
+    for local_name, param in progress_bar(params, total=len(params), enabled=progress,
+                                          desc=f"reading {source.folder.name}"):
         name = mapping.local_to_checkpoint_name(global_param_name(local_name, cfg))
         if name not in source.entries:
             raise ConversionError(f"model parameter {local_name!r} ({name}) has no Hugging Face "
@@ -132,12 +139,14 @@ def convert_hf_to_mcore(
     *,
     params_dtype: torch.dtype = torch.float32,
     make_vocab_size_divisible_by: int = 128,
+    progress: bool = False,
 ) -> Path:
     """Write OUT_DIR as a checkpoint root (latest -> step_00000000) from an HF folder.
 
     Collective: call on every rank of an initialised model-parallel world (its TP/PP is the
     layout written). The HF config and tokenizer files go to step_00000000/hf/. OUT_DIR must
-    not exist; it appears only when complete.
+    not exist; it appears only when complete. progress: a bar on rank 0 (its own stage) and
+    a line when the checkpoint write starts.
     """
     from megatron_calibclip.models.builder import build_gpt_model
 
@@ -158,12 +167,14 @@ def convert_hf_to_mcore(
             model = build_gpt_model(source.cfg, params_dtype=params_dtype,
                                     init_method=torch.nn.init.zeros_,
                                     output_layer_init_method=torch.nn.init.zeros_)
-            load_hf_into_model(model, source)
+            load_hf_into_model(model, source, progress=progress and dist.get_rank() == 0)
         except Exception as err:  # noqa: BLE001 - agreed across ranks, then re-raised
             error = err
         if not _all_ok(error is None):
             raise error if error is not None else ConversionError(
                 "conversion failed on another rank (see its error)")
+        if progress and dist.get_rank() == 0:
+            print(f"writing the Megatron checkpoint to {out} ...", file=sys.stderr, flush=True)
         step_dir = CheckpointManager(partial, strategy="auto").save(0, model)
         if dist.get_rank() == 0:
             try:

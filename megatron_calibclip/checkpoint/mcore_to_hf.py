@@ -29,6 +29,7 @@ from megatron_calibclip.checkpoint.hf_io import (
 from megatron_calibclip.checkpoint.hf_to_mcore import HF_ASSETS_DIR
 from megatron_calibclip.checkpoint.info import CheckpointInfo
 from megatron_calibclip.checkpoint.layout import resolve_checkpoint
+from megatron_calibclip.checkpoint.progress import progress as progress_bar
 
 # Tensor keys of a checkpoint that are not model weights.
 _NON_MODEL_PREFIXES = ("optimizer.",)
@@ -91,12 +92,14 @@ def convert_mcore_to_hf(
     out_dir: os.PathLike | str,
     *,
     dtype: Optional[torch.dtype] = None,
+    progress: bool = False,
 ) -> Path:
     """Write an HF folder from a checkpoint folder (or a root with `latest`).
 
     config.json and tokenizer files come from the checkpoint's hf/ folder when it was made by
     hf-to-mcore, else config.json is generated from the saved ModelConfig. dtype: of the
-    written weights (default: the HF config's dtype, else float32).
+    written weights (default: the HF config's dtype, else float32). progress: a bar over
+    the checkpoint's tensors on stderr.
     """
     out = Path(out_dir)
     partial = begin_output(out)
@@ -128,7 +131,8 @@ def convert_mcore_to_hf(
     for e in entries:
         by_key.setdefault(e.stacked_key, []).append(e)
     hf_tensors: dict[str, torch.Tensor] = {}
-    for key, group in by_key.items():
+    for key, group in progress_bar(by_key.items(), total=len(by_key), enabled=progress,
+                                   desc=f"reading {folder.name}"):
         value = tensors.get(key)
         for e in group:
             t = value if e.layer is None else value[e.layer]

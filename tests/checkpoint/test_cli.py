@@ -28,7 +28,7 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.dist
-def test_tool_hf_to_mcore_at_tp2_then_back_is_bit_identical(tmp_path):
+def test_tool_hf_to_mcore_at_tp2_then_back_is_bit_identical(tmp_path, capsys):
     from megatron_calibclip.checkpoint.cli import main
 
     hf = save_hf_model(build_hf_model("qwen3-tied", seed=4), tmp_path / "hf")
@@ -36,7 +36,13 @@ def test_tool_hf_to_mcore_at_tp2_then_back_is_bit_identical(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     info = json.loads((tmp_path / "mcore" / "step_00000000" / "calibclip.json").read_text())
     assert (info["layout"]["tp"], info["layout"]["world"]) == (2, 2)
+    # progress on stderr, drawn by rank 0 only: one finished bar over its parameters
+    bars = [line for line in done.stderr.replace("\r", "\n").splitlines()
+            if line.startswith("reading hf") and "100%" in line]
+    assert len(bars) == 1, done.stderr
+    assert "writing the Megatron checkpoint" in done.stderr
     assert main(["mcore-to-hf", str(tmp_path / "mcore"), str(tmp_path / "back")]) == 0
+    assert "reading step_00000000" in capsys.readouterr().err
     a, b = load_file(str(hf / "model.safetensors")), load_file(str(tmp_path / "back" /
                                                                    "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
