@@ -13,3 +13,8 @@ for _message in (
     "full scope is deprecated",
 ):
     _warnings.filterwarnings("ignore", message=_message, category=UserWarning)
+# torch 2.13 deprecates the collective that megatron-core 0.16 gathers TP shards with; one
+# warning per rank per run that no user of this package can act on.
+_warnings.filterwarnings(
+    "ignore", message="`torch.distributed.all_gather_into_tensor` is deprecated",
+    category=FutureWarning)
