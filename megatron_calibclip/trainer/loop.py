@@ -67,29 +67,40 @@ def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     dist.barrier()
-    c = build_components(cfg, run_dir)
-    if checkpointer is None and cfg.run.checkpoint:
-        from megatron_calibclip.checkpoint import TrainerCheckpointer
-
-        checkpointer = TrainerCheckpointer(run_dir / "checkpoints",
-                                           keep_last=cfg.run.keep_checkpoints)
-    start_step = 0
-    if cfg.warmup.steps > 0 and not _has_checkpoint(checkpointer):  # a resumed run has had it
-        _warmup(c, cfg, rank0)
-        # the reference (KL anchor) is the policy RL starts from: the warmed-up one
-        copy_weights(c.policy, c.reference)
-    if checkpointer is not None:
-        last = checkpointer.load_latest(c)
-        start_step = 0 if last is None else last + 1
-    logger = MetricsLogger(run_dir, cfg.run.steps - start_step, enabled=rank0,
-                           tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
-                           start_step=start_step)
-    records = []
-    t0 = time.perf_counter()
     from megatron_calibclip.checkpoint import EXIT_PREEMPTED, PreemptionHandler
 
-    try:
-        with PreemptionHandler() as preempt:
+    # Installed before the start-up: building, loading and warming up a large model takes
+    # minutes, and a SIGUSR1/SIGTERM then must still end in "save what is new, exit 75"
+    # (requeue), not in the signal's default action (the job would end as failed).
+    with PreemptionHandler() as preempt:
+        c = build_components(cfg, run_dir)
+        if checkpointer is None and cfg.run.checkpoint:
+            from megatron_calibclip.checkpoint import TrainerCheckpointer
+
+            checkpointer = TrainerCheckpointer(run_dir / "checkpoints",
+                                               keep_last=cfg.run.keep_checkpoints)
+        start_step = 0
+        warmed_up = cfg.warmup.steps > 0 and not _has_checkpoint(checkpointer)
+        if warmed_up:  # a resumed run has had it
+            _warmup(c, cfg, rank0)
+            # the reference (KL anchor) is the policy RL starts from: the warmed-up one
+            copy_weights(c.policy, c.reference)
+        if checkpointer is not None:
+            last = checkpointer.load_latest(c)
+            start_step = 0 if last is None else last + 1
+        if preempt.should_stop():  # collective: signalled during the start-up
+            if checkpointer is not None and warmed_up:
+                checkpointer.save(start_step - 1, c)  # keep the warm-up: 0 RL steps done
+            if rank0:
+                print(f"preempted during start-up (before step {start_step}); exiting with "
+                      f"{EXIT_PREEMPTED} (requeue)", flush=True)
+            raise SystemExit(EXIT_PREEMPTED)
+        logger = MetricsLogger(run_dir, cfg.run.steps - start_step, enabled=rank0,
+                               tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
+                               start_step=start_step)
+        records = []
+        t0 = time.perf_counter()
+        try:
             for step in range(start_step, cfg.run.steps):
                 t = time.perf_counter()
                 metrics = train_step(c, step)
@@ -109,8 +120,8 @@ def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
                     raise SystemExit(EXIT_PREEMPTED)
                 if checkpointer is not None and (last or (every and (step + 1) % every == 0)):
                     checkpointer.save(step, c)
-    finally:
-        logger.close()
+        finally:
+            logger.close()
     if rank0 and records:
         all_records = read_metrics(run_dir / "metrics.jsonl")
         if cfg.run.plot:

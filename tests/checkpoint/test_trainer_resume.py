@@ -58,3 +58,55 @@ def test_trainer_resume_matches_uninterrupted_run(dist_pool, tmp_path):
         for part in ("policy", "reference"):
             for name, value in final_straight[part].items():
                 assert np.array_equal(value, final_resumed[part][name]), f"{part} {name}"
+
+
+def _startup_signal_body(rank, world_size, out_dir):
+    """SIGUSR1 on rank 1 while the components are being built (start-up, before warm-up)."""
+    import os
+    import signal
+
+    import megatron_calibclip.trainer.loop as loop
+    from megatron_calibclip.checkpoint import EXIT_PREEMPTED
+    from megatron_calibclip.checkpoint.info import CheckpointInfo
+    from megatron_calibclip.checkpoint.trainer_seam import TrainerCheckpointer
+    from megatron_calibclip.config import from_dict
+    from megatron_calibclip.trainer import TrainConfig, train
+
+    def cfg(name):
+        return from_dict(TrainConfig, merge(CFG, {"run": {"name": name, "output_dir": out_dir}}))
+
+    straight = train(cfg("straight"), checkpointer=TrainerCheckpointer(f"{out_dir}/s-ckpt"))
+
+    build = loop.build_components
+
+    def build_then_signal(*args, **kwargs):
+        components = build(*args, **kwargs)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return components
+
+    ckpt = f"{out_dir}/p-ckpt"
+    loop.build_components = build_then_signal
+    try:
+        train(cfg("preempted"), checkpointer=TrainerCheckpointer(ckpt))
+        code = None
+    except SystemExit as exit_:
+        code = exit_.code
+    finally:
+        loop.build_components = build
+    info = CheckpointInfo.read(f"{ckpt}/step_00000000")
+    resumed = train(cfg("preempted"), checkpointer=TrainerCheckpointer(ckpt))
+    return (code == EXIT_PREEMPTED, info.step, list(info.contents), straight["records"],
+            resumed["records"])
+
+
+def test_signal_during_startup_saves_the_warmup_and_resumes_identically(dist_pool, tmp_path):
+    """A SLURM signal during start-up (model build, warm-up, load) must end in exit 75 on
+    every rank with the warm-up saved, and the requeued attempt must match an uninterrupted
+    run exactly (it skips the warm-up and trains every step)."""
+    results = dist_pool(2).run(_startup_signal_body, str(tmp_path), timeout=600)
+    for exited_75, step, contents, straight, resumed in results:
+        assert exited_75, "both ranks exit with EXIT_PREEMPTED (only rank 1 was signalled)"
+        assert step == 0 and "frozen:reference" in contents, contents
+        assert [r["step"] for r in resumed] == list(range(CFG["run"]["steps"]))
+        assert [_numbers(r) for r in resumed] == [_numbers(r) for r in straight]
