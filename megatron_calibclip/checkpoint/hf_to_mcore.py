@@ -31,6 +31,7 @@ from megatron_calibclip.checkpoint.manager import CheckpointManager, unwrap_mode
 from megatron_calibclip.checkpoint.progress import progress as progress_bar
 from megatron_calibclip.models.config import ModelConfig
 from megatron_calibclip.models.init import global_param_name, shard_of
+from megatron_calibclip.parallel.flags import any_rank
 
 HF_ASSETS_DIR = "hf"  # inside a converted checkpoint folder: config.json, tokenizer files
 
@@ -105,7 +106,7 @@ def load_hf_into_model(model: torch.nn.Module, source: HFSource, *,
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     params = list(model.named_parameters())
-    for local_name, param in progress_bar(params, total=len(params), enabled=progress,
+    for local_name, param in progress_bar(params, enabled=progress,
                                           desc=f"reading {source.folder.name}"):
         name = mapping.local_to_checkpoint_name(global_param_name(local_name, cfg))
         if name not in source.entries:
@@ -127,10 +128,7 @@ def load_hf_into_model(model: torch.nn.Module, source: HFSource, *,
 
 def _all_ok(ok: bool) -> bool:
     """Collective: True if every rank is ok (so that all ranks raise together, none hangs)."""
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() == 0
+    return not any_rank(not ok)
 
 
 def convert_hf_to_mcore(

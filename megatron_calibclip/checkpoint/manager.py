@@ -37,6 +37,7 @@ from megatron_calibclip.checkpoint.errors import CheckpointError
 from megatron_calibclip.checkpoint.info import CheckpointInfo, ParallelSizes
 from megatron_calibclip.checkpoint.rng import capture_rng_state, restore_rng_state
 from megatron_calibclip.checkpoint.strategy import StrategyName, save_strategy
+from megatron_calibclip.parallel.flags import any_rank
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +60,8 @@ FRESH_OPTIMIZER = "optimizer:fresh"
 def _optimizer_has_state(optimizer: Any) -> bool:
     """Collective: has any rank's optimizer taken a step (Adam moments exist)?"""
     inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    local = any(len(getattr(getattr(o, "optimizer", o), "state", {}) or {}) for o in inner)
-    flag = torch.tensor([int(local)], dtype=torch.int32)
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return any_rank(any(len(getattr(getattr(o, "optimizer", o), "state", {}) or {})
+                        for o in inner))
 
 
 class Stateful(Protocol):

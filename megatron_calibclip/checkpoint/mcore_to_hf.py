@@ -131,7 +131,7 @@ def convert_mcore_to_hf(
     for e in entries:
         by_key.setdefault(e.stacked_key, []).append(e)
     hf_tensors: dict[str, torch.Tensor] = {}
-    for key, group in progress_bar(by_key.items(), total=len(by_key), enabled=progress,
+    for key, group in progress_bar(by_key.items(), enabled=progress,
                                    desc=f"reading {folder.name}"):
         value = tensors.get(key)
         for e in group:

@@ -21,8 +21,9 @@ import signal
 from types import FrameType
 from typing import Callable, Optional, Sequence, Union
 
-import torch
 import torch.distributed as dist
+
+from megatron_calibclip.parallel.flags import any_rank
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL after a preemption save: "requeue me" (not 124, which `timeout` uses)
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -71,9 +72,4 @@ class PreemptionHandler:
         """Collective: True on every rank if any rank was signalled. Call once per step."""
         if not (dist.is_available() and dist.is_initialized()):
             return self.requested
-        device = torch.device("cpu")
-        if dist.get_backend(self.group) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        return any_rank(self.requested, self.group)

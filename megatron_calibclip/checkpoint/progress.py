@@ -7,12 +7,12 @@ off by default. The CLI turns it on.
 from __future__ import annotations
 
 import sys
-from typing import Iterable, Iterator, Optional, TypeVar
+from typing import Collection, Iterator, TypeVar
 
 T = TypeVar("T")
 
 
-def progress(items: Iterable[T], *, total: Optional[int], desc: str, enabled: bool,
+def progress(items: Collection[T], *, desc: str, enabled: bool,
              unit: str = "tensor") -> Iterator[T]:
     """`items` wrapped in a tqdm bar on stderr when `enabled` (pass rank == 0 yourself)."""
     if not enabled:
@@ -21,6 +21,6 @@ def progress(items: Iterable[T], *, total: Optional[int], desc: str, enabled: bo
     from tqdm import tqdm
 
     interactive = sys.stderr.isatty()
-    yield from tqdm(items, total=total, desc=desc, unit=unit, file=sys.stderr,
+    yield from tqdm(items, total=len(items), desc=desc, unit=unit, file=sys.stderr,
                     mininterval=0.2 if interactive else 10.0, dynamic_ncols=interactive,
                     ascii=not interactive)

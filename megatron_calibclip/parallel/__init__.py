@@ -4,6 +4,7 @@
 or SLURM variables and creates megatron-core's TP/PP/CP/DP groups; `teardown` undoes it.
 """
 from megatron_calibclip.parallel.env import DistEnv, DistributedEnvError, read_dist_env
+from megatron_calibclip.parallel.flags import any_rank
 from megatron_calibclip.parallel.initialize import (
     ParallelLayout,
     ParallelLayoutError,
@@ -25,6 +26,7 @@ __all__ = [
     "DistributedEnvError",
     "ParallelLayout",
     "ParallelLayoutError",
+    "any_rank",
     "default_backend",
     "dense_logprobs_entropy",
     "expand_nodelist",

@@ -132,10 +132,9 @@ def _registered_groups() -> list:
 
 
 def _destroy_owned_groups() -> None:
-    default = dist.group.WORLD if dist.is_initialized() else None
-    alive = set(_registered_groups())
+    alive = set(_registered_groups())  # [] once the default group is gone: nothing to do
     for group in reversed(_OWNED_GROUPS):
-        if group is default or group not in alive:
+        if group not in alive:
             continue
         try:
             dist.destroy_process_group(group)

@@ -46,7 +46,7 @@ def _submit(cluster, tmp_path: Path, name: str, overrides: list[str], *, wait: b
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def _wait_final(cluster, job_id: str, timeout: float, job_log: Path | None = None) -> dict:
+def _wait_final(cluster, job_id: str, timeout: float, tmp_path: Path, name: str) -> dict:
     """Poll until the job ends; past `timeout`, cancel it and fail with the job's own log.
 
     Every caller's waits add up to less than its pytest timeout, so a slow or stuck job fails
@@ -58,12 +58,11 @@ def _wait_final(cluster, job_id: str, timeout: float, job_log: Path | None = Non
         info = cluster.job(job_id)
     if info.get("JobState") not in FINAL_STATES:
         cluster.run("scancel", job_id, check=False)
-        text = job_log.read_text() if job_log and job_log.exists() else "(no job log)"
-        attempts = _attempts(job_log.parent / "runs" / info.get("JobName", "")) if job_log else []
         raise AssertionError(
             f"job {job_id} still {info.get('JobState')} ({info.get('Reason')}, "
-            f"{info.get('Restarts')} restart(s)) after {timeout:.0f}s; attempts {attempts}\n"
-            f"--- job log\n{text[-6000:]}\n{cluster.logs()}")
+            f"{info.get('Restarts')} restart(s)) after {timeout:.0f}s; attempts "
+            f"{_attempts(tmp_path / 'runs' / name)}\n"
+            f"--- job log\n{_job_log(tmp_path, name, job_id)[-6000:]}\n{cluster.logs()}")
     return info
 
 
@@ -156,7 +155,7 @@ def _preempt_and_finish(cluster, tmp_path: Path, name: str, overrides: list[str]
             f"(checkpoint contract)\n{_job_log(tmp_path, name, job_id)}")
     t_signal = time.monotonic() - t0
     cluster.run("scancel", "--signal=USR1", job_id)  # what `#SBATCH --signal=USR1@300` sends
-    info = _wait_final(cluster, job_id, finish_timeout, tmp_path / f"{name}-{job_id}.out")
+    info = _wait_final(cluster, job_id, finish_timeout, tmp_path, name)
     log = _job_log(tmp_path, name, job_id)
     print(f"\n{name}: first checkpoint after {t_signal:.1f}s, SIGUSR1 sent, job {info['JobState']} "
           f"after {time.monotonic() - t0:.1f}s with {info.get('Restarts')} restart(s)")
