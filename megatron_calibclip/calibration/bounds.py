@@ -8,9 +8,15 @@ The math is the SPEC's:
   N = valid tokens with A < 0, P = valid tokens with A > 0 (A == 0 and masked tokens ignored)
   alpha = #{N: log r16 <= log(1 - eps_low)} / |N| = k / |N|                (exact counts)
   L*    = smallest grid point l with #{N: log r8 <= l} >= k                (k-th order stat, rounded up)
-  p     = U+(r16, 1 + eps_high) / U-(r16, 1 - eps_low)                     (exact sums)
-  H*    = smallest grid point h with U+(r8, h) >= p * U-(r8, L*)
-  U+(x, h) = sum_P m * 1[x <= h],  U-(x, l) = sum_N m * 1[x > l],  m = |A| r or 1.
+  L     = min(L*, 1 - eps_low) with widen_only (the default), else L*
+  H*    = by `upper_rule` (config.py; the default log_scale: log H* = log(1+eps_high) log L / log(1-eps_low)),
+          e.g. mass_balance (the SPEC's): smallest grid h with U+(r8, h) >= p * U-(r8, L),
+          p = U+(r16, 1 + eps_high) / U-(r16, 1 - eps_low)                 (exact sums)
+  H     = max(H*, 1 + eps_high) with widen_only, else H*
+  U+(x, h) = sum_P m * 1[x <= h],  U-(x, l) = sum_N m * 1[l < x <= c],  m = |A| r or 1,
+  c = the loss's dual-clip constant (+inf without dual-clip: such tokens get no gradient).
+Guards (solver.py): fewer than min_clipped_tokens clipped tokens behind a quantile, an
+infeasible target, or a bound outside the plausible range is a fallback with a reason.
 
 U- counts a negative token as unclipped when r > l, consistent with "clipped = r <= l"; the
 SPEC writes 1[x >= l], which differs only for ratios exactly equal to l. L* is a grid point
@@ -19,8 +25,6 @@ then exact on the grid for the L* actually returned. See README.md.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -28,14 +32,17 @@ from megatron_calibclip.calibration.config import CalibrationConfig
 from megatron_calibclip.calibration.histogram import DistributedHistogram, all_reduce_histograms, distributed_active
 from megatron_calibclip.calibration.result import CalibrationResult
 from megatron_calibclip.calibration.solver import SCALARS, solve
+from megatron_calibclip.calibration.spec import SolveSpec
 
-MASS_MODES = ("abs_adv_ratio", "tokens")
-SHADOW_PRECISIONS = ("bf16", "fp32")
+_DEFAULTS = CalibrationConfig()
+
+
 class CalibrationAccumulator:
     """Adds the mini-batches of one calibration step, then computes the bounds once.
 
     `compute` is a collective over `group`: every rank must call it (a rank without valid
-    tokens still calls it, possibly without any `add`).
+    tokens still calls it, possibly without any `add`). Keyword defaults are
+    CalibrationConfig's; `dual_clip_c` is the loss's (None: no dual-clip).
     """
 
     def __init__(
@@ -43,48 +50,52 @@ class CalibrationAccumulator:
         eps_low: float,
         eps_high: float,
         *,
-        mass: str = "abs_adv_ratio",
-        shadow_precision: str = "bf16",
-        log_ratio_min: float = -4.0,
-        log_ratio_max: float = 4.0,
-        bins: int = 16384,
-        refine: bool = True,
-        refine_bins: int = 4096,
-        mass_rtol: float = 1e-9,
+        mass: str = _DEFAULTS.mass,
+        shadow_precision: str = _DEFAULTS.shadow_precision,
+        upper_rule: str = _DEFAULTS.upper_rule,
+        min_clipped_tokens: int = _DEFAULTS.min_clipped_tokens,
+        widen_only: bool = _DEFAULTS.widen_only,
+        dual_clip_c: float | None = None,
+        lower_min: float = _DEFAULTS.lower_min,
+        lower_max: float = _DEFAULTS.lower_max,
+        upper_min: float = _DEFAULTS.upper_min,
+        upper_max: float = _DEFAULTS.upper_max,
+        log_ratio_min: float = _DEFAULTS.log_ratio_min,
+        log_ratio_max: float = _DEFAULTS.log_ratio_max,
+        bins: int = _DEFAULTS.bins,
+        refine: bool = _DEFAULTS.refine,
+        refine_bins: int = _DEFAULTS.refine_bins,
+        mass_rtol: float = _DEFAULTS.mass_rtol,
         device: torch.device | str | None = None,
     ) -> None:
-        if not 0.0 < eps_low < 1.0:
-            raise ValueError(f"eps_low must be in (0, 1), got {eps_low}")
-        if not (eps_high > 0.0 and math.isfinite(eps_high)):
-            raise ValueError(f"eps_high must be a positive number, got {eps_high}")
-        if mass not in MASS_MODES:
-            raise ValueError(f"mass {mass!r} is not one of {list(MASS_MODES)}")
-        if shadow_precision not in SHADOW_PRECISIONS:
-            raise ValueError(f"shadow_precision {shadow_precision!r} is not one of {list(SHADOW_PRECISIONS)}")
-        if refine_bins < 2:
-            raise ValueError(f"refine_bins must be >= 2, got {refine_bins}")
-        self.eps_low, self.eps_high = float(eps_low), float(eps_high)
-        self.mass, self.shadow_precision = mass, shadow_precision
-        self.refine, self.refine_bins = bool(refine), int(refine_bins)
-        # thresholds in log space, float64: clipped (A<0) iff log r <= t_low; (A>0) iff log r > t_high
-        self.t_low, self.t_high = math.log1p(-self.eps_low), math.log1p(self.eps_high)
-        self.neg_mass_channel = "neg_mass" if mass == "abs_adv_ratio" else "neg_count"
-        self.pos_mass_channel = "pos_mass" if mass == "abs_adv_ratio" else "pos_count"
+        self.spec = SolveSpec(
+            float(eps_low), float(eps_high), mass=mass, shadow_precision=shadow_precision,
+            upper_rule=upper_rule, min_clipped_tokens=min_clipped_tokens, widen_only=bool(widen_only),
+            dual_clip_c=dual_clip_c, lower_min=lower_min, lower_max=lower_max, upper_min=upper_min,
+            upper_max=upper_max, refine=bool(refine), refine_bins=int(refine_bins),
+        )
+        spec = self.spec
+        self.eps_low, self.eps_high = spec.eps_low, spec.eps_high
         channels = ("neg_count", "pos_count") + (("neg_mass", "pos_mass") if mass == "abs_adv_ratio" else ())
         self._hist_args = dict(
             lo=log_ratio_min, hi=log_ratio_max, bins=bins, channels=channels, scalars=SCALARS,
-            keep_samples=self.refine, rtol=mass_rtol,
+            keep_samples=spec.refine, rtol=mass_rtol,
         )
         DistributedHistogram(**self._hist_args)  # validate the grid now, not at compute time
         self._device = torch.device(device) if device is not None else None
         self._hist: DistributedHistogram | None = None
         self._done = False
+        self.recorded: list[dict[str, torch.Tensor]] | None = None  # set to [] to keep inputs
 
     @classmethod
     def from_config(cls, config: CalibrationConfig, eps_low: float, eps_high: float,
-                    device: torch.device | str | None = None) -> CalibrationAccumulator:
+                    device: torch.device | str | None = None, *,
+                    dual_clip_c: float | None = None) -> CalibrationAccumulator:
         return cls(
             eps_low, eps_high, mass=config.mass, shadow_precision=config.shadow_precision,
+            upper_rule=config.upper_rule, min_clipped_tokens=config.min_clipped_tokens,
+            widen_only=config.widen_only, dual_clip_c=dual_clip_c, lower_min=config.lower_min,
+            lower_max=config.lower_max, upper_min=config.upper_min, upper_max=config.upper_max,
             log_ratio_min=config.log_ratio_min, log_ratio_max=config.log_ratio_max, bins=config.bins,
             refine=config.refine, refine_bins=config.refine_bins, mass_rtol=config.mass_rtol, device=device,
         )
@@ -101,6 +112,11 @@ class CalibrationAccumulator:
         if self._done:
             raise RuntimeError("this accumulator was already computed; start a new one")
         _check_inputs(logratio_fp8, logratio_bf16, advantages, mask)
+        if self.recorded is not None:
+            self.recorded.append({name: t.detach().reshape(-1).cpu().clone() for name, t in (
+                ("logratio_fp8", logratio_fp8), ("logratio_shadow", logratio_bf16),
+                ("advantages", advantages), ("mask", mask))})
+        spec = self.spec
         hist = self._histogram(logratio_fp8.device)
         dev = hist.device
         valid = mask.detach().reshape(-1).to(dev)
@@ -112,7 +128,7 @@ class CalibrationAccumulator:
         neg, pos = good & (adv < 0), good & (adv > 0)
         x8n, x16n, x8p, x16p = (t.to(torch.float64) for t in (lr8[neg], lr16[neg], lr8[pos], lr16[pos]))
         an, ap = -adv[neg].to(torch.float64), adv[pos].to(torch.float64)
-        if self.mass == "abs_adv_ratio":
+        if spec.mass == "abs_adv_ratio":
             hist.add(x8n, {"neg_count": None, "neg_mass": an * torch.exp(x8n)})
             hist.add(x8p, {"pos_count": None, "pos_mass": ap * torch.exp(x8p)})
             m16n, m16p = an * torch.exp(x16n), ap * torch.exp(x16p)
@@ -120,7 +136,9 @@ class CalibrationAccumulator:
             hist.add(x8n, {"neg_count": None})
             hist.add(x8p, {"pos_count": None})
             m16n, m16p = torch.ones_like(x16n), torch.ones_like(x16p)
-        clip16n, clip8n = x16n <= self.t_low, x8n <= self.t_low
+        clip16n, clip8n = x16n <= spec.t_low, x8n <= spec.t_low
+        dual16n, dual8n = x16n > spec.t_dual, x8n > spec.t_dual  # no gradient under dual-clip
+        m8n = an * torch.exp(x8n) if spec.mass == "abs_adv_ratio" else torch.ones_like(x8n)
         sums = {
             "n_valid": valid.sum(),
             "n_nonfinite_ratio": (~finite_r).sum(),
@@ -130,10 +148,13 @@ class CalibrationAccumulator:
             "k_shadow": clip16n.sum(),
             "n_neg_fp8_eps": clip8n.sum(),
             "n_phantom_eps": (clip8n & ~clip16n).sum(),
-            "n_pos_shadow_eps": (x16p > self.t_high).sum(),
-            "n_pos_fp8_eps": (x8p > self.t_high).sum(),
-            "u_plus_shadow": m16p[x16p <= self.t_high].sum(),
-            "u_minus_shadow": m16n[~clip16n].sum(),
+            "n_pos_shadow_eps": (x16p > spec.t_high).sum(),
+            "n_pos_fp8_eps": (x8p > spec.t_high).sum(),
+            "u_plus_shadow": m16p[x16p <= spec.t_high].sum(),
+            "u_plus_shadow_all": m16p.sum(),
+            "u_minus_shadow": m16n[~clip16n & ~dual16n].sum(),
+            "u_minus_fp8_eps": m8n[~clip8n & ~dual8n].sum(),
+            "u_minus_fp8_dual": m8n[dual8n].sum(),
         }
         for name, value in sums.items():
             hist.add_scalar(name, value.to(torch.float64))
@@ -145,7 +166,7 @@ class CalibrationAccumulator:
         self._done = True
         hist = self._histogram(None)
         nbytes = all_reduce_histograms([hist], group)
-        return solve(self, hist, group, nbytes, 1 if distributed_active() else 0)
+        return solve(self.spec, hist, group, nbytes, 1 if distributed_active() else 0)
 
 
 def compute_calibrated_bounds(
@@ -157,24 +178,35 @@ def compute_calibrated_bounds(
     eps_high: float,
     *,
     group: dist.ProcessGroup | None = None,
-    mass: str = "abs_adv_ratio",
-    shadow_precision: str = "bf16",
-    log_ratio_min: float = -4.0,
-    log_ratio_max: float = 4.0,
-    bins: int = 16384,
-    refine: bool = True,
-    refine_bins: int = 4096,
-    mass_rtol: float = 1e-9,
+    mass: str = _DEFAULTS.mass,
+    shadow_precision: str = _DEFAULTS.shadow_precision,
+    upper_rule: str = _DEFAULTS.upper_rule,
+    min_clipped_tokens: int = _DEFAULTS.min_clipped_tokens,
+    widen_only: bool = _DEFAULTS.widen_only,
+    dual_clip_c: float | None = None,
+    lower_min: float = _DEFAULTS.lower_min,
+    lower_max: float = _DEFAULTS.lower_max,
+    upper_min: float = _DEFAULTS.upper_min,
+    upper_max: float = _DEFAULTS.upper_max,
+    log_ratio_min: float = _DEFAULTS.log_ratio_min,
+    log_ratio_max: float = _DEFAULTS.log_ratio_max,
+    bins: int = _DEFAULTS.bins,
+    refine: bool = _DEFAULTS.refine,
+    refine_bins: int = _DEFAULTS.refine_bins,
+    mass_rtol: float = _DEFAULTS.mass_rtol,
 ) -> CalibrationResult:
-    """The SPEC's [L*, H*] from one batch of tokens, pooled over `group` (a collective).
+    """Calibrated [L, H] from one batch of tokens, pooled over `group` (a collective).
 
     Pure apart from the all-reduce(s): no state, inputs untouched. `logratio_bf16` is the
-    shadow's log-ratio whatever `shadow_precision` says.
+    shadow's log-ratio whatever `shadow_precision` says. The defaults (CalibrationConfig's)
+    never return an infinite or out-of-range bound: such a result is a fallback with a reason.
     """
     acc = CalibrationAccumulator(
-        eps_low, eps_high, mass=mass, shadow_precision=shadow_precision, log_ratio_min=log_ratio_min,
-        log_ratio_max=log_ratio_max, bins=bins, refine=refine, refine_bins=refine_bins,
-        mass_rtol=mass_rtol, device=logratio_fp8.device,
+        eps_low, eps_high, mass=mass, shadow_precision=shadow_precision, upper_rule=upper_rule,
+        min_clipped_tokens=min_clipped_tokens, widen_only=widen_only, dual_clip_c=dual_clip_c,
+        lower_min=lower_min, lower_max=lower_max, upper_min=upper_min, upper_max=upper_max,
+        log_ratio_min=log_ratio_min, log_ratio_max=log_ratio_max, bins=bins, refine=refine,
+        refine_bins=refine_bins, mass_rtol=mass_rtol, device=logratio_fp8.device,
     )
     acc.add(logratio_fp8, logratio_bf16, advantages, mask)
     return acc.compute(group)

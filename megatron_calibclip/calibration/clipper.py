@@ -16,7 +16,10 @@ itself trains with the bounds in force when it began"). Usage::
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,9 +35,11 @@ STATE_FORMAT = "megatron_calibclip.CalibratedClipper/1"
 class CalibratedClipper:
     """Holds [L, H]; turns calibration results into clamped, smoothed, delayed bounds."""
 
-    def __init__(self, config: CalibrationConfig | None = None, *, eps_low: float, eps_high: float) -> None:
+    def __init__(self, config: CalibrationConfig | None = None, *, eps_low: float, eps_high: float,
+                 dual_clip_c: float | None = None) -> None:
         self.config = config if config is not None else CalibrationConfig()
-        CalibrationAccumulator.from_config(self.config, eps_low, eps_high)  # validates eps
+        self.dual_clip_c = dual_clip_c  # the loss's dual-clip c (None: off): counted as the loss counts it
+        CalibrationAccumulator.from_config(self.config, eps_low, eps_high, dual_clip_c=dual_clip_c)  # validates
         self.eps_low, self.eps_high = float(eps_low), float(eps_high)
         self._lower, self._upper = self.config.initial_lower, self.config.initial_upper
         self._pending: tuple[float, float, int] | None = None  # (L, H, first step in force)
@@ -43,6 +48,7 @@ class CalibratedClipper:
         self._num_fallbacks = 0
         self._last_reason: str | None = None
         self._last_metrics: dict[str, float] = {}
+        self._last_labels: dict[str, str] = {}
 
     # ------------------------------------------------------------------ timing
     def is_calibration_step(self, step: int) -> bool:
@@ -75,7 +81,11 @@ class CalibratedClipper:
     # ------------------------------------------------------------------ calibration
     def new_accumulator(self, device: torch.device | str | None = None) -> CalibrationAccumulator:
         """An accumulator for the mini-batches of one calibration step, configured like this clipper."""
-        return CalibrationAccumulator.from_config(self.config, self.eps_low, self.eps_high, device)
+        acc = CalibrationAccumulator.from_config(self.config, self.eps_low, self.eps_high, device,
+                                                 dual_clip_c=self.dual_clip_c)
+        if self.config.record_dir is not None:
+            acc.recorded = []
+        return acc
 
     def calibrate(self, logratio_fp8: torch.Tensor, logratio_bf16: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, *, step: int, group: dist.ProcessGroup | None = None) -> CalibrationResult:
@@ -89,19 +99,23 @@ class CalibratedClipper:
     def update(self, result: CalibrationResult, step: int) -> bool:
         """Apply a result computed during `step`; the new bounds take effect from step + 1.
 
-        Returns False (bounds kept, reason recorded) on a fallback. Raw bounds are clamped,
-        then smoothed: L <- beta * L + (1 - beta) * L* (the first success sets them directly).
+        Returns False (bounds kept, reason recorded) on a fallback. Bounds are smoothed, in log
+        space by default: log L <- beta log L + (1 - beta) log L* (the first success sets them
+        directly). The clamp to [lower_min, lower_max] x [upper_min, upper_max] is only a last
+        safety net: the solver already falls back on bounds outside that range.
         """
         cfg = self.config
         self._last_metrics = result.metrics()
+        self._last_labels = result.labels()
         reason = result.reason
         if reason is None and (result.lower is None or result.upper is None
-                               or math.isnan(result.lower) or math.isnan(result.upper)):
-            reason = "nonfinite_bound: the estimator returned no usable bound"
+                               or not math.isfinite(result.lower) or not math.isfinite(result.upper)):
+            reason = "nonfinite_bound: the estimator returned no finite bound"  # never clamped
         if reason is not None:
             self._num_fallbacks += 1
             self._last_reason = reason
             self._last_metrics["calib/fallback"] = 1.0
+            self._last_labels["calib/fallback_reason"] = reason
             return False
         target_l = min(max(result.lower, cfg.lower_min), cfg.lower_max)
         target_h = min(max(result.upper, cfg.upper_min), cfg.upper_max)
@@ -109,20 +123,38 @@ class CalibratedClipper:
         if self._num_calibrations == 0:
             new_l, new_h = target_l, target_h
         else:
-            beta = cfg.ema_beta
-            new_l = beta * base_l + (1.0 - beta) * target_l
-            new_h = beta * base_h + (1.0 - beta) * target_h
+            new_l = _ema(base_l, target_l, cfg.ema_beta, cfg.smoothing)
+            new_h = _ema(base_h, target_h, cfg.ema_beta, cfg.smoothing)
         self._pending = (new_l, new_h, step + 1)
         self._num_calibrations += 1
         self._last_reason = None
         self._last_metrics.update({"calib/lower_target": target_l, "calib/upper_target": target_h})
         return True
 
+    def save_inputs(self, acc: CalibrationAccumulator, step: int, result: CalibrationResult,
+                    group: dist.ProcessGroup | None = None) -> Path | None:
+        """Write the inputs `acc` recorded (config.record_dir) for offline study; one file per
+        rank of `group` (ranks holding the same shard write the same file, atomically)."""
+        if self.config.record_dir is None or acc.recorded is None:
+            return None
+        index = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+        folder = Path(self.config.record_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"step{step:06d}_rank{index:03d}.pt"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save({"step": step, "eps_low": self.eps_low, "eps_high": self.eps_high,
+                    "dual_clip_c": self.dual_clip_c, "minibatches": acc.recorded,
+                    "result": dataclasses.asdict(result)}, tmp)
+        os.replace(tmp, path)
+        return path
+
     # ------------------------------------------------------------------ logging
-    def metrics(self, prefix: str = "calib/") -> dict[str, float]:
-        """Bounds in force / next, counters, and the last result's numbers (for the logger)."""
+    def metrics(self, prefix: str = "calib/") -> dict[str, float | str]:
+        """Bounds in force / next, counters, the last result's numbers and its rule and
+        fallback reason as strings (for the JSONL logger; TensorBoard keeps the numbers)."""
         next_l, next_h = self.next_bounds
-        out = {f"{prefix}{k[len('calib/'):]}": v for k, v in self._last_metrics.items()}
+        out: dict[str, float | str] = {f"{prefix}{k[len('calib/'):]}": v for k, v in self._last_metrics.items()}
+        out.update({f"{prefix}{k[len('calib/'):]}": v for k, v in self._last_labels.items()})
         out.update({
             prefix + "lower_in_force": self._lower,
             prefix + "upper_in_force": self._upper,
@@ -146,6 +178,7 @@ class CalibratedClipper:
             "num_fallbacks": self._num_fallbacks,
             "last_reason": self._last_reason,
             "last_metrics": dict(self._last_metrics),
+            "last_labels": dict(self._last_labels),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -164,3 +197,11 @@ class CalibratedClipper:
         self._num_fallbacks = int(state["num_fallbacks"])
         self._last_reason = state["last_reason"]
         self._last_metrics = {str(k): float(v) for k, v in state["last_metrics"].items()}
+        self._last_labels = {str(k): str(v) for k, v in state.get("last_labels", {}).items()}
+
+
+def _ema(old: float, new: float, beta: float, space: str) -> float:
+    """beta * old + (1 - beta) * new, of the logs (space "log") or of the values ("linear")."""
+    if space == "log":
+        return math.exp(beta * math.log(old) + (1.0 - beta) * math.log(new))
+    return beta * old + (1.0 - beta) * new

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional, get_args
 
 from megatron_calibclip.config import ConfigError
 
 MassMode = Literal["abs_adv_ratio", "tokens"]
 ShadowPrecision = Literal["bf16", "fp32"]
+UpperRule = Literal["log_scale", "quantile", "mass_fraction", "mass_balance"]
+SmoothingSpace = Literal["log", "linear"]
+UPPER_RULES: tuple[str, ...] = get_args(UpperRule)
+SMOOTHING_SPACES: tuple[str, ...] = get_args(SmoothingSpace)
 
 
 @dataclass
@@ -23,20 +27,45 @@ class CalibrationConfig:
 
     # K: calibrate on every step with step % period == 0 (step 0 included). Paper: 20; 10, 40 work.
     period: int = 20
-    # EMA weight of the old bound: L <- beta * L + (1 - beta) * L*; the first successful
-    # calibration sets the bounds directly. 0 disables smoothing.
+    # EMA weight of the old bound: log L <- beta * log L + (1 - beta) * log L* (see
+    # `smoothing`); the first successful calibration sets the bounds directly. 0: no smoothing.
     ema_beta: float = 0.5
+    # Space of the EMA: "log" (default; bounds are ratios, so an average of log L treats
+    # x0.5 and x2 symmetrically and one outlier H cannot drag the mean far) or "linear"
+    # (the first implementation's arithmetic mean of L and H).
+    smoothing: SmoothingSpace = "log"
+    # How H is set once L* is known (docs/calibration.md has the study that chose the default):
+    # "log_scale": log H = log(1 + eps_high) * log L / log(1 - eps_low) (widen both sides by
+    #   the same factor in log space; reads no positive-token quantile: never infinite);
+    # "quantile": count matching on A > 0, mirroring L: beta = share of A > 0 tokens with
+    #   r_shadow > 1 + eps_high, H = (1 - beta)-quantile of r_fp8 over A > 0;
+    # "mass_fraction": U+(r8, H) / U+(r8, inf) = U+(r16, 1 + eps_high) / U+(r16, inf);
+    # "mass_balance": the SPEC's rule, smallest H with U+(r8, H) >= p_bf16 * U-(r8, L).
+    upper_rule: UpperRule = "log_scale"
+    # A quantile read from fewer BF16-clipped tokens is noise: fall back (keep the bounds,
+    # log why) unless the shadow clips at least this many A < 0 tokens (for L) and, for the
+    # rules that read the positive tail, unless at least this many A > 0 tokens lie above H
+    # under FP8. 1 accepts any calibration (the first implementation).
+    min_clipped_tokens: int = 20
+    # Calibration only widens the host's bounds: L <= 1 - eps_low and H >= 1 + eps_high
+    # (H is solved for the L actually used). false lets it tighten them too.
+    widen_only: bool = True
+    # Folder to record each calibration's inputs (per rank: log r_fp8, log r_shadow, A, mask
+    # as a .pt file per calibration step) for offline study (benchmarks/calibration/); None: off.
+    record_dir: Optional[str] = None
     # Lower bound L (a ratio, not an epsilon) used until the first calibration takes effect.
     initial_lower: float = 0.6
     # Upper bound H (a ratio) used until the first calibration takes effect.
     initial_upper: float = 1.8
-    # Clamp of the calibrated L before smoothing: L* is clipped into [lower_min, lower_max].
+    # Plausible range of a calibrated L: an L* outside [lower_min, lower_max] is a fallback
+    # with a reason (never silently clamped to the edge).
     lower_min: float = 0.05
-    # Upper end of the L clamp; must be < 1 so that L < 1 < H always holds.
+    # Upper end of the L range; must be < 1 so that L < 1 < H always holds.
     lower_max: float = 0.999
-    # Clamp of the calibrated H before smoothing: H* is clipped into [upper_min, upper_max].
+    # Plausible range of a calibrated H: an H* outside [upper_min, upper_max] (or infinite)
+    # is a fallback with a reason, never the clamp value.
     upper_min: float = 1.001
-    # Upper end of the H clamp.
+    # Upper end of the H range.
     upper_max: float = 20.0
     # Effective update mass of a token: "abs_adv_ratio" = |A| * r (our default), "tokens" = 1.
     mass: MassMode = "abs_adv_ratio"
@@ -82,6 +111,13 @@ class CalibrationConfig:
                "log_ratio_max", self.log_ratio_max, f"finite and >= log(upper_max) = {math.log(self.upper_max):.4f}")
         _check(self.bins >= 1, "bins", self.bins, "an integer >= 1")
         _check(self.refine_bins >= 2, "refine_bins", self.refine_bins, "an integer >= 2")
+        _check(self.smoothing in SMOOTHING_SPACES, "smoothing", self.smoothing, f"one of {list(SMOOTHING_SPACES)}")
+        _check(self.upper_rule in UPPER_RULES, "upper_rule", self.upper_rule, f"one of {list(UPPER_RULES)}")
+        _check(isinstance(self.min_clipped_tokens, int) and not isinstance(self.min_clipped_tokens, bool)
+               and self.min_clipped_tokens >= 1, "min_clipped_tokens", self.min_clipped_tokens, "an integer >= 1")
+        _check(isinstance(self.widen_only, bool), "widen_only", self.widen_only, "true or false")
+        _check(self.record_dir is None or (isinstance(self.record_dir, str) and self.record_dir != ""),
+               "record_dir", self.record_dir, "a folder path or null")
         _check(0.0 <= self.mass_rtol < 1e-3, "mass_rtol", self.mass_rtol, "a number in [0, 1e-3)")
 
     @property

@@ -194,6 +194,10 @@ class DistributedHistogram:
         need = target - self.rtol * float(cum[-1])
         return int(torch.searchsorted(cum, torch.tensor([need], dtype=torch.float64)).item())
 
+    def locate_value(self, x: float) -> int:
+        """The slot holding the value x (the same rule as `slots`, for one Python float)."""
+        return int(self.slots(torch.tensor([x], dtype=torch.float64))[0])
+
     def right_edge(self, slot: int) -> float:
         """Smallest grid point g with every sample of slots <= slot at most g (+inf past hi)."""
         if slot >= self.bins + 1:

@@ -5,6 +5,7 @@ use results without importing any distributed code paths.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 
@@ -17,10 +18,11 @@ class CalibrationResult:
     `reason` says why and the bounds are None; `alpha` / `p_bf16` are filled when defined.
     """
 
-    lower: float | None  # L*: alpha-quantile of the FP8 ratios of N, rounded up to the grid
-    upper: float | None  # H*: smallest grid h with U+(r8, h) >= p_bf16 * U-(r8, L*)
-    log_lower: float | None  # log L* (a grid point: e[i], lo, or +inf when above the range)
-    log_upper: float | None  # log H* (a grid point, lo, or +inf)
+    lower: float | None  # L to use: L* (alpha-quantile of the FP8 ratios of N, rounded up to
+    #   the grid), capped at 1 - eps_low when widen-only
+    upper: float | None  # H to use: H* by `upper_rule` for that L, raised to 1 + eps_high when widen-only
+    log_lower: float | None  # log of `lower` (a grid point, or log(1 - eps_low))
+    log_upper: float | None  # log of `upper` (a grid point, closed form for log_scale, or log(1 + eps_high))
     alpha: float | None  # fraction of N the shadow clips: #{r_shadow <= 1 - eps_low} / |N|
     p_bf16: float | None  # U+(r_shadow, 1 + eps_high) / U-(r_shadow, 1 - eps_low)
     n_valid: int  # tokens with mask True (all ranks)
@@ -40,7 +42,12 @@ class CalibrationResult:
     pos_clip_frac_shadow_eps: float | None  # P(r_shadow > 1 + eps_high | P)
     pos_clip_frac_fp8_eps: float | None  # P(r8 > 1 + eps_high | P)
     neg_clip_frac_fp8_lower: float | None  # P(r8 <= L* | N) (>= alpha, = alpha up to one bin)
-    pos_clip_frac_fp8_upper: float | None  # P(r8 > H* | P)
+    pos_clip_frac_fp8_upper: float | None  # P(r8 > H | P) (log_scale: within one bin)
+    upper_rule: str = "mass_balance"  # how H was set (CalibrationConfig.upper_rule)
+    beta: float | None = None  # fraction of P the shadow clips: #{r_shadow > 1 + eps_high} / |P|
+    n_pos_clipped_shadow: int = 0  # beta * |P|
+    log_lower_raw: float | None = None  # log L* before the widen-only cap (also on later fallbacks)
+    log_upper_raw: float | None = None  # log H* before the widen-only floor (also on later fallbacks)
 
     @property
     def ok(self) -> bool:
@@ -59,5 +66,12 @@ class CalibrationResult:
             if isinstance(value, str) or (value is None and f.name == "reason"):
                 continue
             out[prefix + f.name] = float("nan") if value is None else float(value)
+        for name in ("lower", "upper"):  # L*, H* as ratios (what the rule found, before widen-only)
+            raw = getattr(self, f"log_{name}_raw")
+            out[f"{prefix}{name}_raw"] = float("nan") if raw is None else math.exp(raw)
         out[prefix + "fallback"] = 0.0 if self.ok else 1.0
         return out
+
+    def labels(self, prefix: str = "calib/") -> dict[str, str]:
+        """The string fields for a JSONL logger: the rule and the fallback reason ("" if none)."""
+        return {prefix + "upper_rule": self.upper_rule, prefix + "fallback_reason": self.reason or ""}

@@ -184,7 +184,8 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
     clipper = None
     if cfg.clipping.mode == "calibrated":
         clipper = CalibratedClipper(cfg.clipping.calibration, eps_low=cfg.loss.eps_low,
-                                    eps_high=cfg.loss.eps_high)
+                                    eps_high=cfg.loss.eps_high,
+                                    dual_clip_c=cfg.loss.dual_clip_c if cfg.loss.dual_clip else None)
     return Components(
         cfg=cfg, model_cfg=model_cfg, policy=policy, ddp=ddp, optimizer=optimizer,
         reference=reference, engine=engine, tokenizer=tokenizer, dataset=dataset, skips=skips,

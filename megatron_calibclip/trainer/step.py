@@ -293,6 +293,7 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
         with timer("calibration"):
             result = acc.compute(group=c.dp_group)
             c.clipper.update(result, step)
+            c.clipper.save_inputs(acc, step, result, group=c.dp_group)
         stats.update(c.clipper.metrics())
         stats["calib/ran"] = 1.0
     counts_total = merge_counts(mb_counts) if mb_counts else {}

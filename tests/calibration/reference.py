@@ -100,3 +100,70 @@ def snapped_ok(est: float, exact: float, lo: float, hi: float, resolution: float
 def interpolated_ok(est: float, exact: float, lo: float, hi: float, width: float) -> bool:
     """Interpolated estimate: within one bin of the exact value clipped to [lo, hi]."""
     return abs(est - min(max(exact, lo), hi)) <= width * (1 + 1e-9) + 1e-15
+
+
+@dataclass
+class ExactBounds:
+    reason: str | None  # fallback code, or None
+    log_lower: float | None  # L used (after widen-only)
+    log_upper: float | None  # H used (after widen-only)
+    log_lower_raw: float | None  # L*
+    log_upper_raw: float | None  # H*
+
+
+def exact_bounds(lr8, lr16, adv, mask, eps_low, eps_high, *, rule, min_clipped=20, widen_only=True,
+                 dual_c=None, mass="abs_adv_ratio", lower_range=(0.05, 0.999), upper_range=(1.001, 20.0),
+                 rtol=1e-9) -> ExactBounds:
+    """Every upper rule and guard of docs/calibration.md by sorting, in float64 log space.
+
+    Order of checks, as documented: input guards; L* and its range (widen-only: L = min(L*,
+    1 - eps_low)); H* by the rule (mass_balance: infeasible target); H* finite and <= the range
+    top; >= min_clipped positive tokens above H* (tail rules); widen-only H = max(H*, 1 + eps_high).
+    """
+    lr8, lr16, adv, neg, pos, bad_r, bad_a = _split(lr8, lr16, adv, mask)
+    t_low, t_high = math.log1p(-eps_low), math.log1p(eps_high)
+    t_dual = math.inf if dual_c is None else math.log(dual_c)
+    x8n, x16n, x8p, x16p = lr8[neg], lr16[neg], lr8[pos], lr16[pos]
+    m8n, m16n = _mass(adv[neg], x8n, mass), _mass(adv[neg], x16n, mass)
+    m8p, m16p = _mass(adv[pos], x8p, mass), _mass(adv[pos], x16p, mass)
+    k, k_pos = int((x16n <= t_low).sum()), int((x16p > t_high).sum())
+    tail = rule in ("quantile", "mass_fraction", "mass_balance")
+    u_minus16 = float(m16n[(x16n > t_low) & (x16n <= t_dual)].sum())
+    fail = lambda code, l_raw=None, h_raw=None: ExactBounds(code, None, None, l_raw, h_raw)  # noqa: E731
+    for code, bad in (("nonfinite_ratio", bad_r), ("nonfinite_advantage", bad_a), ("no_negative_tokens", not neg.any()),
+                      ("alpha_zero", k == 0), ("too_few_clipped_negative", k < min_clipped),
+                      ("no_positive_tokens", tail and not pos.any()),
+                      ("alpha_one", rule == "mass_balance" and u_minus16 <= 0),
+                      ("too_few_clipped_positive", rule == "quantile" and k_pos < min_clipped)):
+        if bad:
+            return fail(code)
+    log = lambda x: -math.inf if x == 0 else math.log(x)  # noqa: E731
+    lo_l, hi_l = log(lower_range[0]), log(lower_range[1])
+    lo_h, hi_h = log(upper_range[0]), log(upper_range[1])
+    l_star = float(np.sort(x8n)[k - 1])
+    if not (math.isfinite(l_star) and lo_l <= l_star <= (math.inf if widen_only else hi_l)):
+        return fail("lower_out_of_range", l_star)
+    log_l = min(l_star, t_low) if widen_only else l_star
+    if not lo_l <= log_l <= hi_l:
+        return fail("lower_out_of_range", l_star)
+    if rule == "log_scale":
+        h_star = t_high * log_l / t_low
+    elif rule == "quantile":
+        h_star = float(np.sort(x8p)[len(x8p) - k_pos - 1]) if len(x8p) > k_pos else -math.inf
+    elif rule == "mass_fraction":
+        share = float(m16p[x16p <= t_high].sum()) / float(m16p.sum())
+        h_star = smallest_reaching(x8p, m8p, share * float(m8p.sum()), rtol)
+    else:
+        p = float(m16p[x16p <= t_high].sum()) / u_minus16
+        target = p * float(m8n[(x8n > log_l) & (x8n <= t_dual)].sum())
+        if target > float(m8p.sum()) * (1 + rtol):
+            return fail("upper_infeasible", l_star)
+        h_star = smallest_reaching(x8p, m8p, target, rtol)
+    if not (math.isfinite(h_star) and (-math.inf if widen_only else lo_h) <= h_star <= hi_h):
+        return fail("upper_out_of_range", l_star, h_star)
+    if tail and int((x8p > h_star).sum()) < min_clipped:
+        return fail("upper_from_few_tokens", l_star, h_star)
+    log_h = max(h_star, t_high) if widen_only else h_star
+    if not lo_h <= log_h <= hi_h:
+        return fail("upper_out_of_range", l_star, h_star)
+    return ExactBounds(None, log_l, log_h, l_star, h_star)

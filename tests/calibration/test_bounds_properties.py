@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_calibclip.calibration import compute_calibrated_bounds
-from tests.calibration.checks import assert_matches_exact
+from tests.calibration.checks import SPEC_EXACT, assert_matches_exact
 from tests.calibration.data import KINDS, make_batch
 from tests.calibration.distutil import group_of
 
@@ -42,7 +42,7 @@ def _tensors(batch):
 def test_local_bounds_match_exact(case):
     batch, eps_low, eps_high, mass = case
     for refine in (False, True):
-        res = compute_calibrated_bounds(*_tensors(batch), eps_low, eps_high, mass=mass, refine=refine)
+        res = compute_calibrated_bounds(*_tensors(batch), eps_low, eps_high, mass=mass, refine=refine, **SPEC_EXACT)
         assert res.num_collectives == 0 and res.bytes_communicated == 0
         assert_matches_exact(res, batch, eps_low, eps_high, mass, refined=refine)
 
@@ -55,7 +55,7 @@ def _rank_cases(rank, world_size, case_list):
         sel = owner == index
         tensors = [torch.from_numpy(np.ascontiguousarray(batch[k][sel])) for k in ("lr8", "lr16", "adv", "mask")]
         out.append([dict(compute_calibrated_bounds(*tensors, eps_low, eps_high, group=group, mass=mass,
-                                                   refine=r).__dict__) for r in (False, True)])
+                                                   refine=r, **SPEC_EXACT).__dict__) for r in (False, True)])
     return out
 
 

@@ -44,8 +44,8 @@ def test_period_and_timing_bounds_take_effect_from_the_next_step():
     assert clipper.begin_step(2) == (0.7, 1.4)
 
 
-def test_ema_smoothing_and_clamps():
-    cfg = CalibrationConfig(period=1, ema_beta=0.75)
+def test_ema_smoothing_linear_option_and_clamps():
+    cfg = CalibrationConfig(period=1, ema_beta=0.75, smoothing="linear")
     clipper = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
     clipper.begin_step(0)
     clipper.update(_result(0.8, 1.2), step=0)
@@ -54,13 +54,32 @@ def test_ema_smoothing_and_clamps():
     lower, upper = clipper.begin_step(2)
     assert lower == pytest.approx(0.75 * 0.8 + 0.25 * 0.4, rel=1e-15)
     assert upper == pytest.approx(0.75 * 1.2 + 0.25 * 2.0, rel=1e-15)
-    # clamps apply to the raw bound before smoothing: [0.05, 0.999] and [1.001, 20]
+    # the clamp to [0.05, 0.999] x [1.001, 20] is a safety net for finite bounds only
     fresh = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
-    fresh.update(_result(math.exp(-4.0), math.inf), step=0)
+    fresh.update(_result(math.exp(-4.0), 25.0), step=0)
     assert fresh.begin_step(1) == (0.05, 20.0)
     fresh.update(_result(0.99999, 1.0000001), step=1)
     assert fresh.begin_step(2) == pytest.approx((0.75 * 0.05 + 0.25 * 0.999, 0.75 * 20.0 + 0.25 * 1.001))
     assert fresh.metrics()["calib/lower_target"] == 0.999 and fresh.metrics()["calib/upper_target"] == 1.001
+
+
+def test_default_smoothing_is_in_log_space_and_an_infinite_bound_is_a_fallback():
+    clipper = CalibratedClipper(CalibrationConfig(period=1, ema_beta=0.5), eps_low=0.2, eps_high=0.2)
+    clipper.update(_result(0.5, 2.0), step=0)
+    clipper.update(_result(0.8, 8.0), step=1)
+    lower, upper = clipper.begin_step(2)
+    assert lower == pytest.approx(math.sqrt(0.5 * 0.8), rel=1e-14)  # geometric, not (0.5 + 0.8) / 2
+    assert upper == pytest.approx(4.0, rel=1e-14)  # sqrt(2 * 8); the linear mean would be 5
+    assert not clipper.update(_result(0.7, math.inf), step=2)  # never turned into the clamp (20)
+    assert clipper.last_reason.startswith("nonfinite_bound") and clipper.next_bounds == (lower, upper)
+    assert clipper.metrics()["calib/fallback_reason"] == clipper.last_reason
+
+
+def _few_clipped(b):
+    """The shadow clips exactly 5 negative tokens (fewer than min_clipped_tokens = 20)."""
+    b["lr16"] = np.zeros_like(b["lr16"])
+    neg = np.flatnonzero(b["mask"] & (b["adv"] < 0))
+    b["lr16"][neg[:5]] = -1.0
 
 
 @pytest.mark.parametrize(
@@ -68,10 +87,10 @@ def test_ema_smoothing_and_clamps():
     [
         (lambda b: b.__setitem__("adv", np.abs(b["adv"])), "no_negative_tokens"),
         (lambda b: b.__setitem__("lr16", np.zeros_like(b["lr16"])), "alpha_zero"),
+        (_few_clipped, "too_few_clipped_negative"),
         (lambda b: b["lr8"].__setitem__(int(np.flatnonzero(b["mask"])[3]), np.inf), "nonfinite_ratio"),
         (lambda b: b["adv"].__setitem__(int(np.flatnonzero(b["mask"])[3]), np.nan), "nonfinite_advantage"),
-        (lambda b: b.__setitem__("adv", -np.abs(b["adv"]) - 0.1), "no_positive_tokens"),
-        (lambda b: b.__setitem__("lr16", np.full_like(b["lr16"], -1.0)), "alpha_one"),
+        (lambda b: b.__setitem__("lr8", b["lr8"] - 5.0), "lower_out_of_range"),
     ],
 )
 def test_guards_keep_previous_bounds_and_record_why(make, code):
@@ -87,12 +106,13 @@ def test_guards_keep_previous_bounds_and_record_why(make, code):
     assert clipper.last_reason == res.reason
     m = clipper.metrics()
     assert m["calib/fallback"] == 1.0 and m["calib/fallbacks"] == 1.0 and m["calib/calibrations"] == 1.0
-    # the next good calibration is smoothed with the kept bounds (not "first" again)
+    assert m["calib/fallback_reason"] == res.reason and m["calib/upper_rule"] == "log_scale"
+    # the next good calibration is smoothed (in log space) with the kept bounds (not "first" again)
     res2 = clipper.calibrate(*_tensors(good), step=2)
-    target = (min(max(res2.lower, 0.05), 0.999), min(max(res2.upper, 1.001), 20.0))
-    expected = (0.5 * before[0] + 0.5 * target[0], 0.5 * before[1] + 0.5 * target[1])
-    assert clipper.begin_step(3) == pytest.approx(expected)
+    expected = (math.sqrt(before[0] * res2.lower), math.sqrt(before[1] * res2.upper))
+    assert clipper.begin_step(3) == pytest.approx(expected, rel=1e-14)
     assert clipper.last_reason is None and clipper.metrics()["calib/fallback"] == 0.0
+    assert clipper.metrics()["calib/fallback_reason"] == ""
 
 
 def test_state_dict_round_trip_continues_identically():
@@ -131,6 +151,7 @@ def test_clipper_accumulator_uses_its_config():
     res = acc.compute()
     ref = compute_calibrated_bounds(*_tensors(batch), 0.2, 0.28, mass="tokens", bins=4096, log_ratio_min=-3.5,
                                     log_ratio_max=3.5, refine=True)
+    assert res.ok
     assert res == ref and res.resolution == cfg.resolution == 7.0 / 4096 / 4096
     with pytest.raises(RuntimeError, match="already"):
         acc.compute()
@@ -142,7 +163,9 @@ def test_config_from_yaml_dict_validation_and_documentation():
     bad = [({"mass": "count"}, "mass"), ({"shadow_precision": "fp8"}, "shadow_precision"),
            ({"lower_max": 1.0}, "lower_min/lower_max"), ({"initial_upper": 30.0}, "initial_upper"),
            ({"log_ratio_min": -2.0}, "log_ratio_min"), ({"period": 0}, "period"), ({"bins": "many"}, "bins"),
-           ({"ema_beta": 1.0}, "ema_beta"), ({"typo": 1}, "unknown key")]
+           ({"ema_beta": 1.0}, "ema_beta"), ({"typo": 1}, "unknown key"),
+           ({"upper_rule": "spec"}, "upper_rule"), ({"smoothing": "geometric"}, "smoothing"),
+           ({"min_clipped_tokens": 0}, "min_clipped_tokens"), ({"widen_only": "maybe"}, "widen_only")]
     for data, field in bad:
         with pytest.raises(ConfigError, match=field):
             from_dict(CalibrationConfig, data)
