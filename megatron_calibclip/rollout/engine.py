@@ -10,6 +10,11 @@ with the response length. With TP the last-position logits are gathered (b x V, 
 with PP each step's hidden state is sent stage to stage. The sampled tokens are chosen on
 one rank (last stage, TP rank 0) and broadcast over the model-parallel group, so every rank
 holds the same batch. Deterministic for a seed.
+
+When to stop decoding is agreed by all ranks of `stop_group` (default: all ranks), not
+decided per rank: a forward can hold collectives over ranks with other prompts (delayed
+scaling all-reduces its amax over data-parallel ranks too), so a rank whose sequences all
+ended keeps stepping (on padding, results unchanged) until every rank's have.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.inference.contexts import StaticInferenceContext
 
+from megatron_calibclip.parallel.flags import any_rank
 from megatron_calibclip.rollout.batch import RolloutBatch
 from megatron_calibclip.rollout.sampling import SamplingParams, sample_next
 
@@ -35,11 +41,15 @@ class MegatronRolloutEngine:
 
     precision: optional factory of a context manager that sets the rollout precision on
     the model for the duration of generation (e.g. FP8 rollout, BF16 trainer).
+    stop_group: the ranks that call `generate` together and must run the same number of
+    decode steps (None: all ranks); each step costs one 4-byte all-reduce over it.
     """
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, eos_id: int, pad_id: int,
-                 precision: Optional[Callable[[], ContextManager]] = None):
+                 precision: Optional[Callable[[], ContextManager]] = None,
+                 stop_group: Optional[dist.ProcessGroup] = None):
         self.model = model
+        self.stop_group = stop_group
         self.vocab_size = vocab_size
         self.eos_id = eos_id
         self.pad_id = pad_id
@@ -86,6 +96,13 @@ class MegatronRolloutEngine:
             dist.broadcast(packed, src=src, group=ps.get_model_parallel_group())
         return packed[0].long(), packed[1].float()
 
+    def _any_rank_running(self, done: torch.Tensor) -> bool:
+        """Collective over `stop_group`: does any rank still have an unfinished sequence?"""
+        running = not bool(done.all())
+        if not dist.is_initialized() or dist.get_world_size(self.stop_group) == 1:
+            return running
+        return any_rank(running, self.stop_group)
+
     # ---- generation ----------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
@@ -121,7 +138,7 @@ class MegatronRolloutEngine:
                     logprobs[:, col - 1] = torch.where(done, torch.zeros_like(lp), lp)
                     lengths += (~done).long()
                     done = done | (tok == self.eos_id)
-                    if bool(done.all()) or j == params.max_new_tokens - 1:
+                    if j == params.max_new_tokens - 1 or not self._any_rank_running(done):
                         break
                     logits = self._forward(tokens[:, col: col + 1],
                                            key_pad[:, None, None, : col + 1], ctx)

@@ -17,6 +17,11 @@ import yaml
 from megatron_calibclip.config import to_dict
 from megatron_calibclip.models import copy_weights
 from megatron_calibclip.parallel import ParallelLayout, initialize_distributed, teardown
+from megatron_calibclip.trainer.calibration_report import (
+    calibration_line,
+    calibration_records,
+    calibration_table,
+)
 from megatron_calibclip.trainer.components import Components, build_components
 from megatron_calibclip.trainer.config import TrainConfig
 from megatron_calibclip.trainer.metrics import (
@@ -131,6 +136,9 @@ def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
             print(f"plot: {png}")
         print(summary_table(all_records))
         print(learning_line(all_records))
+        if calibration_records(all_records):
+            print(calibration_table(all_records))
+            print(calibration_line(all_records))
         print(f"{len(records)} steps in {time.perf_counter() - t0:.1f}s; outputs in {run_dir}/ "
               f"(metrics.jsonl, tensorboard/, summary.png, config.yaml"
               f"{', checkpoints/' if checkpointer is not None else ''})")

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_calibclip.trainer.calibration_report import mark_calibrations
+
 
 def _clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
@@ -119,8 +121,9 @@ def plot_summary(records: list[dict], out_png: Path, title: str = "") -> Path:
     ax = axes[1][1]
     ax.plot(*_series(records, "clip/lower"), marker=".", label="L (lower ratio bound)")
     ax.plot(*_series(records, "clip/upper"), marker=".", label="H (upper ratio bound)")
+    mark_calibrations(ax, records)
     ax.axhline(1.0, color="grey", lw=0.5)
-    ax.set_title("clip bounds in force")
+    ax.set_title("clip bounds in force (marks: calibrations)")
     ax.set_xlabel("step")
     for row in axes:
         for a in row:

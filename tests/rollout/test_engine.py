@@ -146,3 +146,43 @@ def test_prefill_materialises_only_last_position_logits(dist_pool):
     shapes, width = dist_pool(1).run(_prefill_shapes_body)[0]
     assert width > 1
     assert [s[:2] for s in shapes] == [(3, 1)] * 3, shapes
+
+
+def _uneven_stop_body(rank, world_size):
+    """DP=2, FP8 delayed scaling (its amax all-reduce spans both data-parallel ranks): every
+    sequence of rank 0 ends at the first token, rank 1's run to max_new_tokens."""
+    from megatron_calibclip.fp8 import FP8Recipe, precision
+    from megatron_calibclip.models import build_policy_model, emulated_layer_spec, get_preset
+    from megatron_calibclip.parallel import model_parallel
+    from megatron_calibclip.rollout import MegatronRolloutEngine
+
+    class EndsAtOnceOnRank0(MegatronRolloutEngine):  # the sampler's choice, not the stop rule, is faked
+        def _choose(self, logits, params, generator, b):
+            tok, lp = super()._choose(logits, params, generator, b)
+            return (torch.full_like(tok, self.eos_id) if rank == 0 else tok), lp
+
+    with model_parallel(tp=1):
+        cfg = get_preset("tiny")
+        model = build_policy_model(cfg, spec=emulated_layer_spec(cfg), seed=0)
+        recipe = FP8Recipe(granularity="delayed", amax_history_len=4, amax_reduction="amax_group")
+        forwards = []
+        model.register_forward_hook(lambda m, args, out: forwards.append(1))
+        engine = EndsAtOnceOnRank0(model, cfg.vocab_size, eos_id=cfg.vocab_size - 1, pad_id=0,
+                                   precision=lambda: precision(model, "fp8", recipe))
+        batch = engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, greedy=True), seed=0)
+        return len(forwards), batch.response_lengths.tolist(), batch.responses()
+
+
+def test_decode_stop_is_agreed_across_data_parallel_ranks(dist_pool):
+    """Before the agreed stop, rank 0 left the decode loop after one token while rank 1 kept
+    all-reducing its amax: a hang (or mismatched collectives) in every DP>1 FP8 rollout."""
+    (n0, len0, resp0), (n1, len1, resp1) = dist_pool(2).run(_uneven_stop_body, timeout=60)
+    assert n0 == n1 == 5  # prefill + 4 decode forwards on both ranks
+    assert len0 == [1] * len(PROMPTS) and all(r == [get_eos()] for r in resp0)
+    assert all(n == 5 for n in len1)
+
+
+def get_eos():
+    from megatron_calibclip.models import get_preset
+
+    return get_preset("tiny").vocab_size - 1

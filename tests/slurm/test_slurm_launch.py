@@ -29,8 +29,9 @@ SBATCH_SCRIPT = REPO / "launch" / "train.sbatch"
 CONTRACT_PYTHON = Path(__file__).with_name("contract_python.sh")
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                 "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
-# the tiny config: short warm-up, no progress bars/plots that cost time on 2 cores
-TINY = ["--set", "warmup.steps=5", "--set", "run.plot=false", "--set", "run.tensorboard=false"]
+# the tiny config: short warm-up, small steps, no progress bars/plots that cost time on 2 cores
+TINY = ["--set", "warmup.steps=5", "--set", "run.plot=false", "--set", "run.tensorboard=false",
+        "--set", "algorithm.prompts_per_step=8", "--set", "algorithm.mini_batches=2"]
 
 
 def _submit(cluster, tmp_path: Path, name: str, overrides: list[str], *, wait: bool,
