@@ -52,19 +52,10 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 
 def load_train_config(path: str, overrides: Sequence[str]):
-    """A TrainConfig from a YAML path or a bundled config name (e.g. 'tiny-cpu')."""
-    from importlib import resources
-    from pathlib import Path
+    """trainer.config.load_train_config (imported lazily: `calibclip --help` stays fast)."""
+    from megatron_calibclip.trainer.config import load_train_config as load
 
-    from megatron_calibclip.config import apply_overrides, from_dict, load_yaml
-    from megatron_calibclip.trainer.config import TrainConfig
-
-    p = Path(path)
-    if not p.exists() and not path.endswith((".yaml", ".yml")):
-        bundled = resources.files("megatron_calibclip") / "configs" / f"{path}.yaml"
-        if bundled.is_file():
-            p = Path(str(bundled))
-    return from_dict(TrainConfig, apply_overrides(load_yaml(p), list(overrides)))
+    return load(path, overrides)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -75,9 +66,31 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"calibclip train: invalid configuration: {err}", file=sys.stderr)
         return 2
-    from megatron_calibclip.trainer.loop import main_train
+    import os
 
-    return main_train(cfg)
+    from megatron_calibclip.parallel import ParallelLayoutError
+    from megatron_calibclip.trainer.loop import main_train
+    from megatron_calibclip.trainer.run_dir import RunDirError
+
+    try:
+        return main_train(cfg)
+    except ParallelLayoutError as err:  # e.g. TP=2 started as one plain process
+        print(f"calibclip train: {err}. {launch_hint(cfg.parallel.tp * cfg.parallel.pp, args)}",
+              file=sys.stderr)
+        return 2
+    except RunDirError as err:  # every rank raises it; one line is enough
+        if os.environ.get("RANK", "0") == "0":
+            print(f"calibclip train: {err}", file=sys.stderr)
+        return 2
+
+
+def launch_hint(ranks: int, args: argparse.Namespace) -> str:
+    """How to start `ranks` processes for this command line (torchrun, srun, launch/local.sh)."""
+    sets = " ".join(f"--set {s}" for s in (args.set or []))
+    tail = f"--config {args.config}{' ' + sets if sets else ''}"
+    return (f"Start a multiple of {ranks} ranks: `torchrun --nproc-per-node {ranks} -m "
+            f"megatron_calibclip.cli train {tail}`, `srun -n {ranks} calibclip train {tail}` or "
+            f"`launch/local.sh {args.config}{' ' + sets if sets else ''}` (2 CPU ranks)")
 
 
 def build_parser() -> argparse.ArgumentParser:

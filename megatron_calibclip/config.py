@@ -182,7 +182,15 @@ def load_yaml(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
-    data = yaml.safe_load(p.read_text()) or {}
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.MarkedYAMLError as err:  # file:line:column: what the parser found
+        mark = err.problem_mark or err.context_mark
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        what = " ".join(x for x in (err.context, err.problem) if x)
+        raise ConfigError(f"{where}: malformed YAML: {what}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: malformed YAML: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
     return data

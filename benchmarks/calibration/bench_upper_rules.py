@@ -86,7 +86,8 @@ def _summarise(results, behaviours) -> dict:
     raw_h = [math.exp(r.log_upper_raw) if r.log_upper_raw is not None else None for r in results]
     reasons = Counter(r.reason_code for r in results if not r.ok)
     inf_or_range = sum(reasons.get(c, 0) for c in ("upper_infeasible", "upper_out_of_range"))
-    gaps = {key: [abs(b[f"{key}_fp8"] - b[f"{key}_bf16"]) for b in behaviours] for key in ("neg_clip", "pos_clip")}
+    gaps = {key: [abs(b[f"{key}_fp8"] - b[f"{key}_bf16"]) for b in behaviours]
+            for key in ("neg_clip", "pos_clip")}
     kept = [b["kept_mass_ratio_vs_bf16"] for b in behaviours]
     return {
         "H_p5": _pct(ok_h, 5), "H_p50": _pct(ok_h, 50), "H_p95": _pct(ok_h, 95),

@@ -5,8 +5,9 @@ the field path and the allowed values. `calibclip train --config F --set a.b=v` 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 from megatron_calibclip.calibration import CalibrationConfig
 from megatron_calibclip.config import ConfigError
@@ -16,6 +17,11 @@ from megatron_calibclip.rollout import SamplingParams
 
 Precision = Literal["fp32", "bf16", "fp8"]
 
+
+def _need(ok: bool, path: str, value: Any, rule: str) -> None:
+    """One-line ConfigError naming the field, the value and what is allowed."""
+    if not ok:
+        raise ConfigError(f"{path}: {value!r} is invalid; it must be {rule}")
 
 
 @dataclass
@@ -30,6 +36,16 @@ class RunConfig:
     checkpoint: bool = True  # save to run_dir/checkpoints and resume from its `latest`
     save_every: int = 0  # also checkpoint every N steps (0: only at the end / on preemption)
     keep_checkpoints: Optional[int] = None  # keep the newest N checkpoints (None: all)
+    # a run directory holding another run's results is refused; true: clear it and start over
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        _need(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "run.name",
+              self.name, "a folder name (non-empty, no '/')")
+        _need(self.steps >= 0, "run.steps", self.steps, ">= 0")
+        _need(self.save_every >= 0, "run.save_every", self.save_every, ">= 0 (0: only at the end)")
+        _need(self.keep_checkpoints is None or self.keep_checkpoints >= 1, "run.keep_checkpoints",
+              self.keep_checkpoints, ">= 1, or null to keep all")
 
 
 @dataclass
@@ -41,11 +57,21 @@ class ModelSection:
     reference_dtype: Literal["bf16", "fp32"] = "bf16"  # the frozen reference model's dtype
     offload_reference: bool = False  # keep the reference on CPU between uses (GPU runs)
 
+    def __post_init__(self) -> None:
+        from megatron_calibclip.models import PRESETS, get_preset
+
+        _need(self.preset in PRESETS, "model.preset", self.preset, f"one of {sorted(PRESETS)}")
+        get_preset(self.preset, **self.overrides)  # consistent overrides (ConfigError naming the field)
+
 
 @dataclass
 class ParallelSection:
     tp: int = 1  # tensor-parallel size
     pp: int = 1  # pipeline-parallel size
+
+    def __post_init__(self) -> None:
+        _need(self.tp >= 1, "parallel.tp", self.tp, ">= 1")
+        _need(self.pp >= 1, "parallel.pp", self.pp, ">= 1")
 
 
 @dataclass
@@ -63,6 +89,11 @@ class DataSection:
     tokenizer: str = "train:512"
     template: str = "Question: {prompt}\nAnswer:"  # plain prompt template ({prompt} required)
     max_prompt_tokens: int = 256  # longer prompts: error or counted skip (on_bad)
+
+    def __post_init__(self) -> None:
+        _need(self.size >= 1, "data.size", self.size, ">= 1")
+        _need(self.max_prompt_tokens >= 1, "data.max_prompt_tokens", self.max_prompt_tokens, ">= 1")
+        _need("{prompt}" in self.template, "data.template", self.template, "a string containing {prompt}")
 
 
 @dataclass
@@ -89,6 +120,15 @@ class AlgorithmSection:
     overlong_max_length: int = 0
     overlong_cache_length: int = 0
 
+    def __post_init__(self) -> None:
+        _need(self.dynamic_sampling_max_rounds >= 1, "algorithm.dynamic_sampling_max_rounds",
+              self.dynamic_sampling_max_rounds, ">= 1")
+        _need(self.overlong_max_length >= 0, "algorithm.overlong_max_length", self.overlong_max_length,
+              ">= 0 (0: off)")
+        _need(0 <= self.overlong_cache_length <= max(self.overlong_max_length, 0),
+              "algorithm.overlong_cache_length", self.overlong_cache_length,
+              f">= 0 and <= overlong_max_length ({self.overlong_max_length})")
+
 
 @dataclass
 class ClippingSection:
@@ -106,6 +146,14 @@ class OptimizerSection:
     clip_grad: float = 1.0  # global gradient-norm clip (0 disables)
     distributed: bool = False  # megatron distributed optimizer (shards states over DP)
 
+    def __post_init__(self) -> None:
+        _need(self.lr > 0 and math.isfinite(self.lr), "optimizer.lr", self.lr, "a number > 0")
+        _need(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, ">= 0")
+        _need(0 <= self.adam_beta1 < 1, "optimizer.adam_beta1", self.adam_beta1, "in [0, 1)")
+        _need(0 <= self.adam_beta2 < 1, "optimizer.adam_beta2", self.adam_beta2, "in [0, 1)")
+        _need(self.adam_eps > 0, "optimizer.adam_eps", self.adam_eps, "> 0")
+        _need(self.clip_grad >= 0, "optimizer.clip_grad", self.clip_grad, ">= 0 (0 disables)")
+
 
 @dataclass
 class RewardSection:
@@ -121,6 +169,11 @@ class WarmupConfig:  # supervised warm-up (trainer/warmup.py)
     steps: int = 0  # supervised steps before RL (0: none)
     lr: float = 3e-3  # learning rate during the warm-up (RL's lr is restored afterwards)
     prompts_per_step: int = 32  # (prompt, answer) pairs per step, over all DP ranks
+
+    def __post_init__(self) -> None:
+        _need(self.steps >= 0, "warmup.steps", self.steps, ">= 0 (0: none)")
+        _need(self.lr > 0 and math.isfinite(self.lr), "warmup.lr", self.lr, "a number > 0")
+        _need(self.prompts_per_step >= 1, "warmup.prompts_per_step", self.prompts_per_step, ">= 1")
 
 
 @dataclass
@@ -155,10 +208,38 @@ class TrainConfig:
             raise ConfigError("micro batch sizes must be >= 1")
         if self.data.source == "jsonl" and not self.data.path:
             raise ConfigError("data.path is required when data.source is 'jsonl'")
-        if self.run.steps < 0:
-            raise ConfigError("run.steps must be >= 0")
+        if self.model.load is None:  # a loaded checkpoint's architecture is checked when read
+            from megatron_calibclip.models import get_preset
+
+            m = get_preset(self.model.preset, **self.model.overrides)
+            for name, value in (("num_attention_heads", m.num_attention_heads),
+                                ("num_query_groups", m.num_query_groups)):
+                _need(value % self.parallel.tp == 0, "parallel.tp", self.parallel.tp,
+                      f"a divisor of model.{name} ({value})")
+            _need(m.num_layers % self.parallel.pp == 0, "parallel.pp", self.parallel.pp,
+                  f"a divisor of model.num_layers ({m.num_layers})")
 
 
     @property
     def rollout_recipe(self) -> FP8Recipe:
         return self.rollout.fp8 if self.rollout.fp8 is not None else self.fp8
+
+
+def load_train_config(path: str, overrides: Sequence[str]) -> TrainConfig:
+    """A TrainConfig from a YAML path or a bundled config name (e.g. 'tiny-cpu'), with
+    `key.path=value` overrides; every field is checked here (ConfigError, one line)."""
+    from importlib import resources
+    from pathlib import Path
+
+    from megatron_calibclip.config import apply_overrides, from_dict, load_yaml
+
+    p = Path(path)
+    if not p.exists() and not path.endswith((".yaml", ".yml")):
+        folder = resources.files("megatron_calibclip") / "configs"
+        bundled = folder / f"{path}.yaml"
+        if not bundled.is_file():
+            names = sorted(f.name[: -len(".yaml")] for f in folder.iterdir() if f.name.endswith(".yaml"))
+            raise ConfigError(f"--config {path!r}: no such file and no bundled config of that name "
+                              f"(bundled: {', '.join(names)})")
+        p = Path(str(bundled))
+    return from_dict(TrainConfig, apply_overrides(load_yaml(p), list(overrides)))

@@ -31,6 +31,7 @@ from megatron_calibclip.trainer.metrics import (
     read_metrics,
     summary_table,
 )
+from megatron_calibclip.trainer.run_dir import RunDirError, check_run_dir
 from megatron_calibclip.trainer.step import train_step
 
 
@@ -61,6 +62,22 @@ def run_dir_for(cfg: TrainConfig) -> Path:
     return Path(cfg.run.output_dir) / cfg.run.name
 
 
+def _guard_run_dir(run_dir: Path, cfg: TrainConfig, checkpointer: Optional[Checkpointer],
+                   rank0: bool) -> None:
+    """Collective: refuse (RunDirError on every rank) a run directory holding other results."""
+    message = [None]
+    if rank0:
+        try:
+            check_run_dir(run_dir, cfg, has_checkpoint=None if checkpointer is None
+                          else _has_checkpoint(checkpointer))
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except RunDirError as err:
+            message = [str(err)]
+    dist.broadcast_object_list(message, src=0)
+    if message[0] is not None:
+        raise RunDirError(message[0])
+
+
 def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
           init_distributed: bool = True) -> dict[str, Any]:
     """Run `cfg.run.steps` RL steps; returns {'run_dir', 'records'} (records on every rank)."""
@@ -68,10 +85,7 @@ def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
         initialize_distributed(ParallelLayout(cfg.parallel.tp, cfg.parallel.pp), seed=cfg.run.seed)
     rank0 = dist.get_rank() == 0
     run_dir = run_dir_for(cfg)
-    if rank0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    dist.barrier()
+    _guard_run_dir(run_dir, cfg, checkpointer, rank0)
     from megatron_calibclip.checkpoint import EXIT_PREEMPTED, PreemptionHandler
 
     # Installed before the start-up: building, loading and warming up a large model takes
@@ -79,6 +93,8 @@ def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
     # (requeue), not in the signal's default action (the job would end as failed).
     with PreemptionHandler() as preempt:
         c = build_components(cfg, run_dir)
+        if rank0:  # only a configuration that built is recorded
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         if checkpointer is None and cfg.run.checkpoint:
             from megatron_calibclip.checkpoint import TrainerCheckpointer
 
@@ -100,6 +116,11 @@ def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
                 print(f"preempted during start-up (before step {start_step}); exiting with "
                       f"{EXIT_PREEMPTED} (requeue)", flush=True)
             raise SystemExit(EXIT_PREEMPTED)
+        if start_step > 0 and start_step >= cfg.run.steps:
+            if rank0:
+                print(f"{run_dir}: {start_step} steps already done (run.steps = {cfg.run.steps}); "
+                      f"nothing to run: raise run.steps to continue", flush=True)
+            return {"run_dir": run_dir, "records": []}
         logger = MetricsLogger(run_dir, cfg.run.steps - start_step, enabled=rank0,
                                tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
                                start_step=start_step)

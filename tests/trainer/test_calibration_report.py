@@ -17,8 +17,8 @@ from megatron_calibclip.trainer.metrics import plot_summary  # noqa: E402
 
 
 def _records():
-    ok = {"calib/ran": 1.0, "calib/fallback": 0.0, "calib/fallback_reason": "", "calib/upper_rule": "log_scale",
-          "calib/n_neg": 300.0, "calib/n_neg_clipped_shadow": 40.0, "calib/alpha": 40 / 300}
+    ok = {"calib/ran": 1.0, "calib/fallback": 0.0, "calib/fallback_reason": "",
+          "calib/upper_rule": "log_scale", "calib/n_neg": 300.0, "calib/n_neg_clipped_shadow": 40.0, "calib/alpha": 40 / 300}
     fb = {"calib/ran": 1.0, "calib/fallback": 1.0, "calib/upper_rule": "log_scale",
           "calib/fallback_reason": "too_few_clipped_negative: the shadow clips 3 of 90 ...",
           "calib/n_neg": 90.0, "calib/n_neg_clipped_shadow": 3.0, "calib/lower_raw": float("nan")}
@@ -26,7 +26,8 @@ def _records():
         {"step": 0, **ok, "calib/lower_raw": 0.71, "calib/upper_raw": 1.32,
          "calib/lower_next": 0.71, "calib/upper_next": 1.32, "clip/lower": 0.6, "clip/upper": 1.8},
         {"step": 1, "clip/lower": 0.71, "clip/upper": 1.32},
-        {"step": 2, **fb, "calib/lower_next": 0.71, "calib/upper_next": 1.32, "clip/lower": 0.71, "clip/upper": 1.32},
+        {"step": 2, **fb, "calib/lower_next": 0.71, "calib/upper_next": 1.32,
+         "clip/lower": 0.71, "clip/upper": 1.32},
         {"step": 3, "clip/lower": 0.71, "clip/upper": 1.32},
         {"step": 4, **ok, "calib/lower_raw": 0.75, "calib/upper_raw": 1.26,
          "calib/lower_next": 0.73, "calib/upper_next": 1.29, "clip/lower": 0.71, "clip/upper": 1.32},
