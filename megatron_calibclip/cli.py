@@ -68,6 +68,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 2
     import os
 
+    from megatron_calibclip.checkpoint.errors import CheckpointError
+    from megatron_calibclip.data import DataError
     from megatron_calibclip.parallel import ParallelLayoutError
     from megatron_calibclip.trainer.loop import main_train
     from megatron_calibclip.trainer.run_dir import RunDirError
@@ -78,7 +80,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"calibclip train: {err}. {launch_hint(cfg.parallel.tp * cfg.parallel.pp, args)}",
               file=sys.stderr)
         return 2
-    except RunDirError as err:  # every rank raises it; one line is enough
+    except (RunDirError, DataError, CheckpointError) as err:  # raised on every rank: one line
         if os.environ.get("RANK", "0") == "0":
             print(f"calibclip train: {err}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from typing import Any
 _EXPORTS = {
     "CheckpointError": "errors",
     "ConversionError": "errors",
+    "DamagedCheckpointError": "errors",
     "CheckpointInfo": "info",
     "ParallelSizes": "info",
     "CheckpointManager": "manager",

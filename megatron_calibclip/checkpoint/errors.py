@@ -13,3 +13,7 @@ class CheckpointError(RuntimeError):
 class ConversionError(ValueError):
     """Input for a conversion is invalid: unknown architecture, missing/extra tensor, wrong
     shape, truncated file, or an output folder that already exists."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A committed checkpoint folder has a missing, truncated or unreadable file (named)."""

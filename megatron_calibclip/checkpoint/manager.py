@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol, Sequence, Union
@@ -33,7 +34,8 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_calibclip.checkpoint import layout as disk
-from megatron_calibclip.checkpoint.errors import CheckpointError
+from megatron_calibclip.checkpoint.errors import CheckpointError, DamagedCheckpointError
+from megatron_calibclip.checkpoint.integrity import damaged_file
 from megatron_calibclip.checkpoint.info import CheckpointInfo, ParallelSizes
 from megatron_calibclip.checkpoint.rng import capture_rng_state, restore_rng_state
 from megatron_calibclip.checkpoint.strategy import StrategyName, save_strategy
@@ -213,12 +215,37 @@ class CheckpointManager:
         frozen: Optional[Mapping[str, torch.nn.Module]] = None,
         restore_rng: bool = True,
     ) -> Optional[LoadedCheckpoint]:
-        """Load the committed checkpoint into model/optimizer/stateful; None if there is none."""
+        """Load the committed checkpoint into model/optimizer/stateful; None if there is none.
+
+        A damaged latest checkpoint (a file missing, truncated or unreadable) is skipped with
+        a warning naming the file, and the newest intact older one is loaded; if none is
+        intact, DamagedCheckpointError names them all.
+        """
         path = self.latest()
         if path is None:
             return None
-        return self.load(path, model, optimizer, stateful=stateful, frozen=frozen,
-                         restore_rng=restore_rng)
+        older = sorted((c for c in self.root.iterdir() if c.is_dir() and c != path
+                        and disk.step_of(c.name) is not None
+                        and disk.step_of(c.name) < disk.step_of(path.name)),
+                       key=lambda c: disk.step_of(c.name), reverse=True)
+        damaged = []
+        for candidate in [path, *older]:
+            bad = damaged_file(candidate)
+            # every rank must take the same folder (a rank-local read error must not split them)
+            if not any_rank(bad is not None):
+                if damaged and dist.get_rank() == 0:
+                    what = "; ".join(damaged)
+                    logger.warning("damaged checkpoint(s) skipped: %s; resuming from %s",
+                                   what, candidate)
+                    print(f"warning: damaged checkpoint(s) skipped: {what}; resuming from "
+                          f"{candidate}, the newest intact one", file=sys.stderr, flush=True)
+                return self.load(candidate, model, optimizer, stateful=stateful, frozen=frozen,
+                                 restore_rng=restore_rng)
+            damaged.append(f"{candidate.name}/{bad[0]} {bad[1]}" if bad else
+                           f"{candidate.name} (damaged on another rank)")
+        raise DamagedCheckpointError(
+            f"no intact checkpoint in {self.root}: {'; '.join(damaged)}; move the damaged "
+            f"folders away, or start over with run.overwrite=true")
 
     def load(
         self,
@@ -235,6 +262,10 @@ class CheckpointManager:
         optimizer=None loads the model only (e.g. to start training from converted weights).
         """
         folder = disk.resolve_checkpoint(path)
+        bad = damaged_file(folder)
+        if any_rank(bad is not None):  # all ranks stop, none waits in the reader's collectives
+            what = f"{bad[0]} {bad[1]}" if bad else "a file is unreadable on another rank"
+            raise DamagedCheckpointError(f"checkpoint {folder} is damaged: {what}")
         info = CheckpointInfo.read(folder)
         if optimizer is not None and FRESH_OPTIMIZER in info.contents:
             optimizer = None  # saved before the first optimizer step: keep the fresh one

@@ -123,14 +123,56 @@ def run_plan(args: argparse.Namespace) -> int:
             return 0
         if args.recipe:
             return _run_recipe(args)
-        if not args.model or not args.gpus:
+        if not args.model or args.gpus is None:
             print("calibclip plan: --model and --gpus are required (or --recipe, --crosscheck)",
                   file=sys.stderr)
+            return EXIT_BAD_INPUT
+        if args.gpus < 1:
+            print(f"calibclip plan: --gpus must be at least 1, got {args.gpus}", file=sys.stderr)
             return EXIT_BAD_INPUT
         return _run_search(args)
     except (ConfigError, ValueError) as err:
         print(f"calibclip plan: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+MAX_GPUS_SEARCHED = 4096
+
+
+def _what_would_fit(m, args, workload, hw, base, recompute, offload) -> list[str]:
+    """When nothing fits: the memory switches that make a layout fit on these GPUs, and the
+    smallest GPU count (same switches) on which one fits."""
+    from dataclasses import replace
+
+    from megatron_calibclip.planner.search import plan, recommend
+
+    def best(gpus, lay, rec):
+        return recommend(plan(m, gpus, workload, hw, lay, args.model, tp=args.tp, pp=args.pp,
+                              recompute=rec, offload=offload), args.margin_gib)
+
+    lines = []
+    switches = [("--recompute any", base, None),
+                ("--sequence-parallel", replace(base, sequence_parallel=True), recompute),
+                ("--kv-cache-dtype fp8", replace(base, kv_cache_dtype="fp8"), recompute),
+                ("--recompute any --sequence-parallel --kv-cache-dtype fp8",
+                 replace(base, sequence_parallel=True, kv_cache_dtype="fp8"), None)]
+    for flags, lay, rec in switches:
+        found = best(args.gpus, lay, rec)
+        if found is not None:
+            lines.append(f"{args.gpus} GPUs with {flags}: {found.layout.describe()} "
+                         f"({found.peak_gib:.1f} GiB peak)")
+    step = hw.gpus_per_node
+    for gpus in [g for g in range(args.gpus + 1, step) if step % g == 0] + \
+            list(range(step * (args.gpus // step + 1), MAX_GPUS_SEARCHED + 1, step)):
+        found = best(gpus, base, recompute)
+        if found is not None:
+            lines.append(f"{gpus} GPUs as asked: {found.layout.describe()} "
+                         f"({found.peak_gib:.1f} GiB peak)")
+            break
+    else:
+        lines.append(f"no GPU count up to {MAX_GPUS_SEARCHED} fits as asked: shorten --seq / "
+                     f"--rollout-batch")
+    return lines
 
 
 def _run_search(args) -> int:
@@ -169,11 +211,16 @@ def _run_search(args) -> int:
           f"({hw.gpu_memory_gib:.1f} GiB, {hw.reserve_gib:.1f} reserved); seq {workload.seq_len} "
           f"(prompt {workload.prompt_len}), micro-batch {workload.micro_batch}, rollout "
           f"{workload.rollout_batch} seqs/DP rank, {args.precision.upper()}")
-    print(f"{len(fitting)} of {len(estimates)} layouts fit (GiB per GPU, most loaded stage):\n")
-    print(report.table(estimates if args.all else fitting, args.top))
+    print(f"{len(fitting)} of {len(estimates)} layouts fit (GiB per GPU, most loaded stage)")
+    if fitting or args.all:
+        print("\n" + report.table(estimates if args.all else fitting, args.top))
     if best is None:
-        print("\nnothing fits: add GPUs, shorten --seq / --rollout-batch, or try "
-              "--recompute any / --sequence-parallel / --kv-cache-dtype fp8")
+        print(f"\nnothing fits on {args.gpus} GPUs. The layouts {args.gpus} GPUs allow, "
+              f"closest to fitting first:\n")
+        print(report.table(estimates, args.top))
+        print("\nwhat would fit:")
+        for line in _what_would_fit(m, args, workload, hw, base, recompute, offload):
+            print(f"  {line}")
         return EXIT_NO_FIT
     print("\nrecommended:\n" + report.breakdown(m, best))
     return 0

@@ -214,3 +214,26 @@ def test_cli(capsys):
     assert _run(["--recipe", str(REPO / "launch/recipes/qwen3-32b-dapo.yaml")]) == 0
     assert _run(["--crosscheck"]) == 0
     assert "arXiv:2205.05198" in capsys.readouterr().out
+
+
+def test_cli_nothing_fits_lists_the_layouts_and_what_would_fit(capsys):
+    assert _run(["--model", "qwen3-32b", "--gpus", "7"]) == 1
+    out = capsys.readouterr().out
+    assert "nothing fits on 7 GPUs" in out
+    # the four layouts 7 GPUs allow: TP x PP x DP = 1x7x1 and 1x1x7, reference resident/offloaded
+    assert out.count("\n  1   7    1") == 2 and out.count("\n  1   1    7") == 2
+    line = next(x for x in out.splitlines() if "GPUs as asked:" in x)
+    gpus = int(line.split()[0])
+    # independent check with the search itself: the smallest count (multiples of 8) that fits
+    workload = Workload(seq_len=4096, prompt_len=1024, micro_batch=1, logprob_micro_batch=4,
+                        rollout_batch=64, microbatches_per_step=8)
+    base = Layout(sequence_parallel=False)
+    fits = [g for g in range(8, 65, 8)
+            if recommend(plan(get_preset("qwen3-32b"), g, workload, Hardware(), base, "qwen3-32b",
+                              recompute=("none",)))]
+    assert gpus == fits[0]
+
+
+def test_cli_zero_gpus_has_its_own_message(capsys):
+    assert _run(["--model", "qwen3-32b", "--gpus", "0"]) == 2
+    assert "--gpus must be at least 1, got 0" in capsys.readouterr().err

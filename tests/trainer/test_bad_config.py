@@ -79,15 +79,56 @@ def test_bench_step_bad_config_is_one_line(args, words, capsys):
     assert all(w in line for w in words), line
 
 
+def _single_process_env() -> dict:
+    """This environment without a launcher's variables: a plain one-process start."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))
+            and k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+
+
 def test_too_few_ranks_says_how_to_launch(tmp_path):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "MASTER_")) and k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "megatron_calibclip.cli", "train", "--config", "tiny-cpu",
-                           "--set", f"run.output_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    proc = subprocess.run([sys.executable, "-m", "megatron_calibclip.cli", "train", "--config",
+                           "tiny-cpu", "--set", f"run.output_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=_single_process_env())
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("calibclip train:")]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "torchrun --nproc-per-node 2 -m megatron_calibclip.cli train --config tiny-cpu" in lines[0]
     assert "launch/local.sh tiny-cpu" in lines[0] and "srun -n 2" in lines[0]
     assert not (tmp_path / "tiny-cpu" / "config.yaml").exists()
+
+
+def _jsonl(tmp_path) -> Path:
+    import json
+
+    lines = [json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b)})
+             for a in range(4) for b in range(4)]
+    lines.insert(3, "{not json")
+    lines.insert(7, json.dumps({"prompt": "no answer"}))
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("on_bad", ["error", "skip"])
+def test_bad_jsonl_line(on_bad, tmp_path):
+    path = _jsonl(tmp_path)
+    sets = ["parallel.tp=1", "data.source=jsonl", f"data.path={path}", f"data.on_bad={on_bad}",
+            f"run.output_dir={tmp_path / 'runs'}", "run.steps=1", "warmup.steps=1",
+            "algorithm.prompts_per_step=2", "algorithm.mini_batches=1", "run.progress=false",
+            "run.plot=false", "run.tensorboard=false"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_calibclip.cli", "train", "--config", "tiny-cpu",
+         *[x for kv in sets for x in ("--set", kv)]],
+        capture_output=True, text=True, timeout=300, cwd=REPO, env=_single_process_env())
+    if on_bad == "error":
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("calibclip train:")]
+        assert lines == [f"calibclip train: {path}:4: invalid JSON: Expecting property name "
+                         f"enclosed in double quotes"], proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        said = [line for line in proc.stdout.splitlines() if line.startswith("data: ")]
+        want = "data: 2 record(s) skipped (data.on_bad=skip): invalid JSON x1, missing field(s) x1"
+        assert said == [want, want], proc.stdout[-2000:]  # at the start and in the summary
