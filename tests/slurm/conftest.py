@@ -4,7 +4,8 @@ Why a session fixture: starting the daemons costs ~3 s and every test here needs
 cluster lives in its own temp folder with its own ports, so it never meets a system SLURM or
 another checkout's cluster, and it is always stopped by the pid files `start` wrote, even
 when a test fails. Without SLURM (not installed, not root, daemons that do not come up) every
-test here is skipped with the reason.
+test here is skipped with the reason, except under CI (`CI=true`, as CI services set it),
+where a cluster that cannot start fails these tests: CI must not stay green without them.
 """
 from __future__ import annotations
 
@@ -90,15 +91,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _unavailable(reason: str) -> None:
+    """Skip, or under CI (CI=true) fail: a missing cluster must not pass CI unnoticed."""
+    if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+        pytest.fail(f"CI=true but the local SLURM cluster is unavailable: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     missing = [t for t in ("slurmctld", "slurmd", "sbatch", "scontrol", "munged")
                if shutil.which(t) is None]
     if missing:
-        pytest.skip(f"SLURM is not installed ({', '.join(missing)} not found); "
-                    f"run `bash launch/ci_slurm.sh install` as root")
+        _unavailable(f"SLURM is not installed ({', '.join(missing)} not found); "
+                     f"run `bash launch/ci_slurm.sh install` as root")
     if os.geteuid() != 0:
-        pytest.skip("the local SLURM cluster runs its daemons as root (SlurmUser=root)")
+        _unavailable("the local SLURM cluster runs its daemons as root (SlurmUser=root)")
     state_dir = Path(tempfile.mkdtemp(prefix="calibclip-slurm-", dir="/tmp"))
     env = dict(os.environ, CALIBCLIP_SLURM_DIR=str(state_dir),
                CALIBCLIP_SLURM_PORT=str(_free_port_pair()))
@@ -117,7 +125,7 @@ def slurm_cluster():
                            if line.startswith("SKIP:")), None)
             reason = reason or ("the local SLURM cluster did not start: "
                                 f"{start.stderr.strip()[-500:]}")
-            pytest.skip(reason)
+            _unavailable(reason)
         env["SLURM_CONF"] = str(state_dir / "slurm.conf")
         print(f"\nlocal SLURM cluster up in {time.monotonic() - t0:.1f}s at {state_dir} "
               f"(pids {pids})")
