@@ -12,6 +12,17 @@ import time
 from typing import Optional
 
 EXIT_BAD_INPUT = 2  # a ConversionError/CheckpointError: the message says what to fix
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a bad value is argparse's one error line, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 _DTYPES = ("float32", "bfloat16")
 
 
@@ -25,14 +36,14 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     h = sub.add_parser("hf-to-mcore", help="HF safetensors folder -> Megatron checkpoint root")
     h.add_argument("hf_dir", help="folder with config.json and *.safetensors (Llama/Qwen2/Qwen3)")
     h.add_argument("out_dir", help="new checkpoint root to create (must not exist)")
-    h.add_argument("--tp", type=int, default=1, help="tensor-parallel size to write at")
-    h.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to write at")
+    h.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size to write at")
+    h.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size to write at")
     h.add_argument("--dtype", choices=_DTYPES, default="float32",
                    help="Megatron parameter dtype (float32 = trainable master weights)")
     h.add_argument("--preset", default=None,
                    help="fail unless config.json describes this model preset (e.g. smollm2-135m);"
                         " also takes the preset's vocabulary padding")
-    h.add_argument("--vocab-multiple", type=int, default=None,
+    h.add_argument("--vocab-multiple", type=_positive_int, default=None,
                    help="pad the vocabulary to a multiple of this x TP (default 128 or preset's)")
 
     m = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF safetensors folder")
@@ -70,6 +81,7 @@ def _hf_to_mcore_on_rank(hf_dir: str, out_dir: str, dtype: str, vocab_multiple: 
 def _run(args: argparse.Namespace) -> str:
     cmd = args.convert_command
     if cmd == "hf-to-mcore":
+        from megatron_calibclip.checkpoint.errors import ConversionError
         from megatron_calibclip.checkpoint.hf_config import (
             check_matches_preset,
             model_config_from_hf,
@@ -79,6 +91,9 @@ def _run(args: argparse.Namespace) -> str:
         from megatron_calibclip.models.config import get_preset
 
         cfg = model_config_from_hf(read_hf_config(args.hf_dir), f"{args.hf_dir}/config.json")
+        cfg.check_tensor_parallel(args.tp)  # before any rank starts (ConfigError, one line)
+        if cfg.num_layers % args.pp:
+            raise ConversionError(f"--pp {args.pp} must divide the model's {cfg.num_layers} layers")
         multiple = args.vocab_multiple
         if args.preset:
             check_matches_preset(cfg, args.preset)
@@ -107,11 +122,12 @@ def _run(args: argparse.Namespace) -> str:
 def run_convert(args: argparse.Namespace) -> int:
     """Execute a parsed `convert` command; 0 on success, EXIT_BAD_INPUT on bad input."""
     from megatron_calibclip.checkpoint.errors import CheckpointError, ConversionError
+    from megatron_calibclip.config import ConfigError
 
     start = time.monotonic()
     try:
         out = _run(args)
-    except (ConversionError, CheckpointError) as err:
+    except (ConversionError, CheckpointError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(f"wrote {out} ({time.monotonic() - start:.1f} s)")

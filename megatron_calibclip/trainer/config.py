@@ -213,7 +213,8 @@ class TrainConfig:
 
             m = get_preset(self.model.preset, **self.model.overrides)
             for name, value in (("num_attention_heads", m.num_attention_heads),
-                                ("num_query_groups", m.num_query_groups)):
+                                ("num_query_groups", m.num_query_groups),
+                                ("ffn_hidden_size", m.ffn_hidden_size)):
                 _need(value % self.parallel.tp == 0, "parallel.tp", self.parallel.tp,
                       f"a divisor of model.{name} ({value})")
             _need(m.num_layers % self.parallel.pp == 0, "parallel.pp", self.parallel.pp,

@@ -74,3 +74,25 @@ def test_preset_check_and_parser(tmp_path, capsys):
     assert run_convert(args) == 0
     assert load_file(str(tmp_path / "t" / "model.safetensors")).keys() == \
         load_file(str(hf / "model.safetensors")).keys()
+
+
+def test_bad_layouts_are_refused_before_any_rank_starts(tmp_path, capsys):
+    from megatron_calibclip.checkpoint.cli import add_convert_parser, run_convert
+
+    hf = save_hf_model(build_hf_model("llama-tied"), tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    parser = argparse.ArgumentParser(prog="calibclip")
+    add_convert_parser(parser.add_subparsers(dest="command", required=True))
+    with pytest.raises(SystemExit) as exit_info:  # argparse: one error line, exit 2
+        parser.parse_args(["convert", "hf-to-mcore", str(hf), str(tmp_path / "o"), "--tp", "0"])
+    assert exit_info.value.code == 2
+    assert "argument --tp: must be >= 1, got 0" in capsys.readouterr().err
+    bad_tp = cfg["num_attention_heads"] + 1  # divides neither the heads nor the KV groups
+    for flag, value, words in (("--tp", bad_tp, [f"tensor-parallel size {bad_tp} must divide"]),
+                               ("--pp", cfg["num_hidden_layers"] + 1, ["--pp", "must divide"])):
+        args = parser.parse_args(["convert", "hf-to-mcore", str(hf), str(tmp_path / "o"),
+                                  flag, str(value)])
+        assert run_convert(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and all(w in err for w in words), err
+        assert not (tmp_path / "o").exists()
