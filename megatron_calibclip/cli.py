@@ -31,6 +31,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"transformer-engine: {'installed' if te else 'not installed'}")
     print(f"CPU patches for megatron-core: "
           f"{'needed' if patches.cpu_patches_needed() else 'not needed (CUDA)'}")
+    from megatron_calibclip.fp8.backend import resolve_backend
+
+    backend, why = resolve_backend("auto")
+    print(f"FP8 backend for fp8.backend=auto: {backend} ({why[len('auto: '):]})")
     return 0
 
 
@@ -80,7 +84,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"calibclip train: {err}. {launch_hint(cfg.parallel.tp * cfg.parallel.pp, args)}",
               file=sys.stderr)
         return 2
-    except (RunDirError, DataError, CheckpointError) as err:  # raised on every rank: one line
+    except (RunDirError, DataError, CheckpointError, ConfigError) as err:  # on every rank: one line
         if os.environ.get("RANK", "0") == "0":
             print(f"calibclip train: {err}", file=sys.stderr)
         return 2

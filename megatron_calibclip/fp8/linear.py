@@ -13,7 +13,8 @@ The emulated GEMM does what the hardware does, in fp32 on CPU:
   (megatron accumulates it into an fp32 main_grad).
 - fp8: input and weight quantized per the recipe (scales per TP shard: each rank sees only
   its shard, as each GPU would), product of the dequantized values accumulated in fp32,
-  output in the input's dtype. The weight is quantized from the master weight at every
+  output in the input's dtype. With fp8.backend "torch" the forward GEMM is a real FP8
+  GEMM (torch._scaled_mm) on the same codes and scales; the backward stays emulated. The weight is quantized from the master weight at every
   forward, never cached. Backward, as Transformer Engine: the output gradient is quantized
   (E5M2 under "hybrid"), dgrad uses the weight quantized along the output dim, wgrad the
   input quantized along the token dim (both saved from the forward).
@@ -27,11 +28,13 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from megatron_calibclip.fp8.backend import check_backend_supports, resolve_backend
 from megatron_calibclip.fp8.delayed import AmaxHistory
 from megatron_calibclip.fp8.formats import round_to_bf16
 from megatron_calibclip.fp8.precision import PrecisionState
-from megatron_calibclip.fp8.quantize import quantize_dequantize, same_both_ways
+from megatron_calibclip.fp8.quantize import Quantized, quantize, quantize_dequantize, same_both_ways
 from megatron_calibclip.fp8.recipe import ROLE_VALUES, FP8Recipe
+from megatron_calibclip.fp8.scaled_mm import scaled_mm
 
 
 def _transposed_copy(t: torch.Tensor, tq: torch.Tensor, recipe, role: str) -> torch.Tensor:
@@ -53,11 +56,17 @@ class _Gemm:
     mode: str  # "bf16" or "fp8"
     recipe: Optional[FP8Recipe]
     states: Optional[dict[str, AmaxHistory]]  # delayed scaling only
+    backend: str = "emulated"  # fp8 forward GEMM: "emulated" (fp32 math) or "torch" (_scaled_mm)
 
 
 def _qd(x: torch.Tensor, gemm: _Gemm, role: str, axis: int) -> torch.Tensor:
     state = gemm.states[role] if gemm.states is not None else None
     return quantize_dequantize(x, gemm.recipe, role, axis=axis, state=state)
+
+
+def _q(x: torch.Tensor, gemm: _Gemm, role: str, axis: int) -> Quantized:
+    state = gemm.states[role] if gemm.states is not None else None
+    return quantize(x, gemm.recipe, role, axis=axis, state=state)
 
 
 class _EmulatedLinearFunction(torch.autograd.Function):
@@ -78,9 +87,14 @@ class _EmulatedLinearFunction(torch.autograd.Function):
             x_for_wgrad, w_for_dgrad = xf, wf
         else:
             recipe = gemm.recipe
-            xf = _qd(x2, gemm, "activation", -1)
-            wf = _qd(w, gemm, "weight", -1)
-            out = xf @ wf.t()
+            if gemm.backend == "torch":  # a real FP8 GEMM on the same codes and scales
+                qx, qw = _q(x2, gemm, "activation", -1), _q(w, gemm, "weight", -1)
+                xf, wf = qx.dequantize(x2.dtype), qw.dequantize(w.dtype)
+                out = scaled_mm(qx, qw, x2.shape[0], w.shape[0], recipe.granularity)
+            else:
+                xf = _qd(x2, gemm, "activation", -1)
+                wf = _qd(w, gemm, "weight", -1)
+                out = xf @ wf.t()
             if bias is not None:
                 out = out + bias.float()
             if need_wgrad:
@@ -211,7 +225,15 @@ class _EmulatedLinearMixin:
         recipe = self.precision_state.recipe
         states = self.fp8_states(recipe) if (mode == "fp8" and recipe.granularity == "delayed") \
             else None
-        gemm = _Gemm(mode, recipe if mode == "fp8" else None, states)
+        backend = "emulated"
+        if mode == "fp8":
+            backend, _ = resolve_backend(recipe.backend)
+            if backend == "te":
+                raise ValueError("fp8.backend resolved to 'te', but this model was built with the "
+                                 "emulated layer spec; build it with the Transformer Engine spec "
+                                 "or set fp8.backend to 'torch' / 'emulated'")
+            check_backend_supports(backend, recipe.granularity)
+        gemm = _Gemm(mode, recipe if mode == "fp8" else None, states, backend)
         if allreduce_dgrad and tp_group is None:
             from megatron.core.parallel_state import get_tensor_model_parallel_group
 

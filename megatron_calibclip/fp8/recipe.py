@@ -18,6 +18,7 @@ Role = Literal["activation", "weight", "grad"]
 LinearName = Literal["qkv", "proj", "fc1", "fc2"]
 AmaxAlgo = Literal["max", "most_recent"]
 AmaxReduction = Literal["amax_group", "tp", "none"]
+Backend = Literal["auto", "te", "torch", "emulated"]
 
 FORMAT_VALUES: tuple[str, ...] = ("e4m3", "hybrid")
 GRANULARITY_VALUES: tuple[str, ...] = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")
@@ -25,6 +26,7 @@ ROLE_VALUES: tuple[str, ...] = ("activation", "weight", "grad")
 LINEAR_VALUES: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
 AMAX_ALGO_VALUES: tuple[str, ...] = ("max", "most_recent")
 AMAX_REDUCTION_VALUES: tuple[str, ...] = ("amax_group", "tp", "none")
+BACKEND_VALUES: tuple[str, ...] = ("auto", "te", "torch", "emulated")
 
 BLOCK = 128  # blockwise: 1 x BLOCK tiles (activations, gradients), BLOCK x BLOCK (weights)
 MX_BLOCK = 32  # mxfp8: 1 x MX_BLOCK blocks, E8M0 scale
@@ -68,9 +70,14 @@ class FP8Recipe:
     # Embedding, output layer, norms and the attention softmax are never FP8 (as in TE
     # and NeMo RL): they are not in this list on purpose.
     linears: tuple[LinearName, ...] = ("qkv", "proj", "fc1", "fc2")
+    # What runs the FP8 GEMMs (fp8/backend.py): "emulated" (fp32 math on dequantized
+    # operands, anywhere), "torch" (torch._scaled_mm on our quantizer's codes), "te"
+    # (Transformer Engine), "auto" (te with CUDA + TE, else torch with CUDA, else emulated).
+    backend: Backend = "auto"
 
     def __post_init__(self) -> None:
         _check_choice("format", self.format, FORMAT_VALUES)
+        _check_choice("backend", self.backend, BACKEND_VALUES)
         _check_choice("granularity", self.granularity, GRANULARITY_VALUES)
         _check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_ALGO_VALUES)
         _check_choice("amax_reduction", self.amax_reduction, AMAX_REDUCTION_VALUES)

@@ -29,6 +29,7 @@ from megatron_calibclip.data import (
     train_sentencepiece,
 )
 from megatron_calibclip.fp8 import precision, set_precision
+from megatron_calibclip.fp8.backend import check_backend_supports, resolve_backend
 from megatron_calibclip.models import (
     ModelConfig,
     build_policy_model,
@@ -122,6 +123,13 @@ def _reward_fn(cfg: TrainConfig):
 
 def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
     """Build models, optimizer, data, rollout engine and clipper on this rank."""
+    for section, recipe in (("fp8", cfg.fp8), ("rollout.fp8", cfg.rollout_recipe)):
+        backend, _ = resolve_backend(recipe.backend)  # ConfigError if it cannot run here
+        if backend == "te":
+            raise ConfigError(f"{section}.backend: resolved to 'te', which the trainer does not "
+                              f"build yet (it builds the emulated layer spec); set it to 'torch' "
+                              f"or 'emulated'")
+        check_backend_supports(backend, recipe.granularity)
     if cfg.run.checkpoint and cfg.optimizer.distributed and not torch.cuda.is_available():
         raise ConfigError(
             "optimizer.distributed: checkpointing megatron's distributed optimizer does not "
