@@ -45,3 +45,11 @@ def round_to_fp8(x: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
 def round_to_bf16(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> nearest bf16 (RNE) -> fp32: what a BF16 tensor-core operand or output holds."""
     return x.to(torch.bfloat16).float()
+
+
+def to_bf16_values(x: torch.Tensor) -> torch.Tensor:
+    """The nearest bf16 values in x's own dtype (a bf16 or integer tensor is returned as is):
+    a bf16 stack's tensor, held in an fp32 emulation."""
+    if x.dtype == torch.bfloat16 or not x.is_floating_point():
+        return x
+    return x.to(torch.bfloat16).to(x.dtype)

@@ -8,14 +8,17 @@ takes them as they are. In "fp32" mode the parent's GEMM runs untouched (bit-ide
 the plain local spec).
 
 The emulated GEMM does what the hardware does, in fp32 on CPU:
-- bf16: operands rounded to bf16, fp32 accumulation, output rounded to bf16 (tensor cores).
+- bf16: operands (input, weight, bias) rounded to bf16, fp32 accumulation, output rounded to
+  bf16 (tensor cores).
   Backward: output gradient rounded to bf16; dgrad rounded to bf16; wgrad kept in fp32
   (megatron accumulates it into an fp32 main_grad).
-- fp8: input and weight quantized per the recipe (scales per TP shard: each rank sees only
-  its shard, as each GPU would), product of the dequantized values accumulated in fp32,
-  output in the input's dtype. With fp8.backend "torch" the forward GEMM is a real FP8
-  GEMM (torch._scaled_mm) on the same codes and scales; the backward stays emulated. The weight is quantized from the master weight at every
-  forward, never cached. Backward, as Transformer Engine: the output gradient is quantized
+- fp8: the bf16 input and the weight (its bf16 copy under weight_source "bf16", the
+  default, as TE quantizes it with fp8_param off; the fp32 master under "fp32") quantized
+  per the recipe (scales per TP shard: each rank sees only its shard, as each GPU would),
+  product of the dequantized values accumulated in fp32, output rounded to bf16. With
+  fp8.backend "torch" the forward GEMM is a real FP8 GEMM (torch._scaled_mm) on the same
+  codes and scales; the backward stays emulated. The weight is quantized at every forward,
+  never cached. Backward, as Transformer Engine: the output gradient is quantized
   (E5M2 under "hybrid"), dgrad uses the weight quantized along the output dim, wgrad the
   input quantized along the token dim (both saved from the forward).
 """
@@ -31,10 +34,13 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron_calibclip.fp8.backend import check_backend_supports, resolve_backend
 from megatron_calibclip.fp8.delayed import AmaxHistory
 from megatron_calibclip.fp8.formats import round_to_bf16
-from megatron_calibclip.fp8.precision import PrecisionState
+from megatron_calibclip.fp8.precision import PrecisionState, rounds_activations
 from megatron_calibclip.fp8.quantize import Quantized, quantize, quantize_dequantize, same_both_ways
 from megatron_calibclip.fp8.recipe import ROLE_VALUES, FP8Recipe
 from megatron_calibclip.fp8.scaled_mm import scaled_mm
+
+
+OUTPUT_LAYER_NAME = "output"  # the bf16 output layer (models/bf16_stack.py); never FP8
 
 
 def _transposed_copy(t: torch.Tensor, tq: torch.Tensor, recipe, role: str) -> torch.Tensor:
@@ -74,19 +80,24 @@ class _EmulatedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, gemm: _Gemm, allreduce_dgrad: bool, tp_group):
+        # a bf16 stack hands the GEMM bf16 inputs and the bf16 copy of the weight and bias
+        # (a BF16 GEMM always does; an FP8 one unless activation_precision is "fp32")
+        bf16_io = gemm.mode == "bf16" or gemm.recipe.activation_precision == "bf16"
         x2 = x.reshape(-1, x.shape[-1]).float()
+        x2 = round_to_bf16(x2) if bf16_io else x2
         w = weight.float()
+        b = bias.float() if bias is not None else None
+        b = round_to_bf16(b) if (b is not None and bf16_io) else b
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x_for_wgrad = w_for_dgrad = None
         if gemm.mode == "bf16":
-            xf, wf = round_to_bf16(x2), round_to_bf16(w)
-            out = xf @ wf.t()
-            if bias is not None:
-                out = out + bias.float()
-            out = round_to_bf16(out)
-            x_for_wgrad, w_for_dgrad = xf, wf
+            wf = round_to_bf16(w)
+            out = x2 @ wf.t()
+            x_for_wgrad, w_for_dgrad = x2, wf
         else:
             recipe = gemm.recipe
+            if recipe.weight_source == "bf16":
+                w = round_to_bf16(w)  # TE quantizes the bf16 model copy (fp8_param off)
             if gemm.backend == "torch":  # a real FP8 GEMM on the same codes and scales
                 qx, qw = _q(x2, gemm, "activation", -1), _q(w, gemm, "weight", -1)
                 xf, wf = qx.dequantize(x2.dtype), qw.dequantize(w.dtype)
@@ -95,12 +106,14 @@ class _EmulatedLinearFunction(torch.autograd.Function):
                 xf = _qd(x2, gemm, "activation", -1)
                 wf = _qd(w, gemm, "weight", -1)
                 out = xf @ wf.t()
-            if bias is not None:
-                out = out + bias.float()
             if need_wgrad:
                 x_for_wgrad = _wgrad_operand(x2, xf, recipe, "activation")
             if need_dgrad:
                 w_for_dgrad = _transposed_copy(w, wf, recipe, "weight")
+        if b is not None:
+            out = out + b
+        if bf16_io:
+            out = round_to_bf16(out)  # the GEMM's bf16 output (TE's FP8 GEMMs output bf16 too)
         ctx.save_for_backward(x_for_wgrad, w_for_dgrad)
         ctx.gemm = gemm
         ctx.has_bias = bias is not None
@@ -185,8 +198,11 @@ class _EmulatedLinearMixin:
         return self._amax_states
 
     def effective_mode(self) -> str:
-        """fp32 / bf16 / fp8 for this layer (fp8 only if the recipe lists the layer)."""
+        """fp32 / bf16 / fp8 for this layer (fp8 only if the recipe lists the layer; the
+        output layer is part of the bf16 activations, so fp32 when they are off)."""
         state = self.precision_state
+        if self.fp8_name == OUTPUT_LAYER_NAME and not rounds_activations(state):
+            return "fp32"
         if state.mode == "fp8" and self.fp8_name not in state.recipe.linears:
             return "bf16"
         return state.mode
@@ -200,7 +216,10 @@ class _EmulatedLinearMixin:
         state = None
         if recipe.granularity == "delayed":
             state = self.fp8_states(recipe)["weight"].snapshot()
-        return quantize_dequantize(self.weight.detach(), recipe, "weight", axis=axis, state=state)
+        weight = self.weight.detach().float()
+        if recipe.weight_source == "bf16":
+            weight = round_to_bf16(weight)
+        return quantize_dequantize(weight, recipe, "weight", axis=axis, state=state)
 
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,
                       allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None,

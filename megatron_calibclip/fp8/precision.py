@@ -30,9 +30,26 @@ class PrecisionState:
     recipe: Optional[FP8Recipe] = None  # the FP8 recipe (kept while in bf16/fp32 mode)
 
 
+def rounds_activations(state: Optional[PrecisionState]) -> bool:
+    """Whether a module holds bf16 activations now: bf16/fp8 mode, unless the recipe asks
+    for fp32 activations (FP8Recipe.activation_precision)."""
+    if state is None or state.mode not in ("bf16", "fp8"):
+        return False
+    return state.recipe is None or state.recipe.activation_precision == "bf16"
+
+
 def emulated_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The emulated Column/RowParallelLinear modules of `model` (the model itself included)."""
-    return [m for m in model.modules() if getattr(m, "_calibclip_emulated", False)]
+    """The emulated Column/RowParallelLinear modules of the transformer layers of `model`
+    (the model itself included; not the bf16 output layer)."""
+    return [m for m in model.modules() if getattr(m, "_calibclip_emulated", False)
+            and getattr(m, "fp8_name", None) != "output"]
+
+
+def precision_aware_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every module that reads the model's PrecisionState: the emulated linears (output
+    layer included) and the bf16-boundary modules of models/bf16_stack.py."""
+    return [m for m in model.modules() if getattr(m, "_calibclip_emulated", False)
+            or getattr(m, "_calibclip_precision_aware", False)]
 
 
 def _te_configs(model: torch.nn.Module) -> list:
@@ -90,7 +107,7 @@ def set_precision(
             apply_te_precision(cfg, mode, new_recipe)
     state.mode = mode
     state.recipe = new_recipe
-    for m in linears:
+    for m in precision_aware_modules(model):
         m.precision_state = state
     setattr(model, _ATTR, state)
     return state

@@ -19,6 +19,7 @@ LinearName = Literal["qkv", "proj", "fc1", "fc2"]
 AmaxAlgo = Literal["max", "most_recent"]
 AmaxReduction = Literal["amax_group", "tp", "none"]
 Backend = Literal["auto", "te", "torch", "emulated"]
+WeightSource = Literal["bf16", "fp32"]
 
 FORMAT_VALUES: tuple[str, ...] = ("e4m3", "hybrid")
 GRANULARITY_VALUES: tuple[str, ...] = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")
@@ -27,6 +28,7 @@ LINEAR_VALUES: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")
 AMAX_ALGO_VALUES: tuple[str, ...] = ("max", "most_recent")
 AMAX_REDUCTION_VALUES: tuple[str, ...] = ("amax_group", "tp", "none")
 BACKEND_VALUES: tuple[str, ...] = ("auto", "te", "torch", "emulated")
+WEIGHT_SOURCE_VALUES: tuple[str, ...] = ("bf16", "fp32")
 
 BLOCK = 128  # blockwise: 1 x BLOCK tiles (activations, gradients), BLOCK x BLOCK (weights)
 MX_BLOCK = 32  # mxfp8: 1 x MX_BLOCK blocks, E8M0 scale
@@ -74,10 +76,22 @@ class FP8Recipe:
     # operands, anywhere), "torch" (torch._scaled_mm on our quantizer's codes), "te"
     # (Transformer Engine), "auto" (te with CUDA + TE, else torch with CUDA, else emulated).
     backend: Backend = "auto"
+    # What the weight quantizer reads: "bf16", the bf16 model copy of the fp32 master weight
+    # (megatron's bf16 training with TE and fp8_param off, what GPU runs do); "fp32", the
+    # master itself (today's research option; what fp8_param-style primary FP8 weights,
+    # re-quantized from fp32 masters after each step, would see).
+    weight_source: WeightSource = "bf16"
+    # Activations between modules in "bf16" (fp8 and bf16 modes): embedding, norm, attention,
+    # residual, GEMM inputs/outputs and logits hold bf16 values, as in megatron's bf16 stack
+    # (models/bf16_stack.py). "fp32": only the GEMM operands are rounded (the earlier
+    # emulation), to attribute noise to activation rounding or to check TP invariance.
+    activation_precision: WeightSource = "bf16"
 
     def __post_init__(self) -> None:
         _check_choice("format", self.format, FORMAT_VALUES)
         _check_choice("backend", self.backend, BACKEND_VALUES)
+        _check_choice("weight_source", self.weight_source, WEIGHT_SOURCE_VALUES)
+        _check_choice("activation_precision", self.activation_precision, WEIGHT_SOURCE_VALUES)
         _check_choice("granularity", self.granularity, GRANULARITY_VALUES)
         _check_choice("amax_compute_algo", self.amax_compute_algo, AMAX_ALGO_VALUES)
         _check_choice("amax_reduction", self.amax_reduction, AMAX_REDUCTION_VALUES)

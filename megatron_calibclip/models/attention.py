@@ -18,14 +18,22 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from megatron_calibclip.fp8.formats import to_bf16_values
+from megatron_calibclip.fp8.precision import rounds_activations
+
 
 class SDPAttention(MegatronModule):
     """softmax(q k^T * scale + causal/padding mask) v over this rank's heads.
 
     Inputs q [sq, b, np, hn], k/v [sk, b, ng, hn] (ng query groups, np % ng == 0);
     output [sq, b, np * hn]. attention_mask: None (pure causal) or bool [b|1, 1|np, sq, sk]
-    with True = masked out (megatron's convention).
+    with True = masked out (megatron's convention). In the model's bf16/fp8 precision modes
+    (fp8.set_precision) q, k, v and the output are rounded to bf16 values, as a bf16 stack's
+    attention sees and returns them; the softmax itself runs in fp32.
     """
+
+    _calibclip_precision_aware = True
+    precision_state = None  # set by fp8.set_precision
 
     def __init__(
         self,
@@ -67,6 +75,9 @@ class SDPAttention(MegatronModule):
             raise ValueError("packed sequences are not supported by SDPAttention")
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by SDPAttention")
+        rounding = rounds_activations(self.precision_state)
+        if rounding:
+            query, key, value = (to_bf16_values(t) for t in (query, key, value))
         sq, b = query.shape[0], query.shape[1]
         sk = key.shape[0]
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
@@ -97,4 +108,5 @@ class SDPAttention(MegatronModule):
             scale=self.softmax_scale,
             enable_gqa=self.num_heads != self.num_groups,
         )
-        return out.permute(2, 0, 1, 3).reshape(sq, b, self.num_heads * self.head_dim)
+        out = out.permute(2, 0, 1, 3).reshape(sq, b, self.num_heads * self.head_dim)
+        return to_bf16_values(out) if rounding else out

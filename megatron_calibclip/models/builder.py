@@ -16,6 +16,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_calibclip.models.bf16_stack import install_bf16_boundaries
 from megatron_calibclip.models.config import ModelConfig
 from megatron_calibclip.models.init import initialize_weights
 from megatron_calibclip.models.layer_specs import layer_spec
@@ -106,6 +107,8 @@ def build_gpt_model(
         rotary_base=int(cfg.rope_theta),
     )
     model.calibclip_config = cfg  # what the model was built from (conversion, metrics)
+    if any(getattr(m, "_calibclip_emulated", False) for m in model.modules()):
+        install_bf16_boundaries(model)  # a bf16 stack around the emulated linears
     if seed is not None:
         initialize_weights(model, cfg, seed)
     return model

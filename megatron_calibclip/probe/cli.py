@@ -78,6 +78,10 @@ def add_probe_parser(subparsers) -> argparse.ArgumentParser:
                         "scale) rounding tie by a seeded amount below half a bf16 step, "
                         "keeping every bf16 value (recommended with --load)")
     f.add_argument("--seed", type=int, default=d.seed, help="seed of weights, data, advantages")
+    f.add_argument("--emulation", choices=("bf16_stack", "bf16_weights", "gemm_only"),
+                   default=d.emulation,
+                   help="bf16_stack (default: bf16 model copy + bf16 activations, as on GPU), "
+                        "bf16_weights (fp32 activations), gemm_only (the earlier emulation)")
     f.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: 1 for a preset of <= 10M parameters, "
                         "which is fastest on a shared machine; else torch's default)")
@@ -100,7 +104,7 @@ def _config(args: argparse.Namespace):
         eps_low=args.eps_low, eps_high=args.eps_high, neg_frac=args.neg_frac,
         warmup_steps=args.warmup_steps, warmup_lr=args.warmup_lr,
         break_bf16_ties=args.break_bf16_ties, dither_weights=args.dither_weights,
-        seed=args.seed)
+        seed=args.seed, emulation=args.emulation)
 
 
 def _fmt(v: Optional[float], spec: str = ".3g") -> str:

@@ -54,6 +54,9 @@ import torch
 PROB_EDGES: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 1.0)
 GRANULARITIES: tuple[str, ...] = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")
 TOKEN_SOURCES: tuple[str, ...] = ("chain_sum", "samples", "random")
+# probe.emulation -> (FP8Recipe.weight_source, FP8Recipe.activation_precision)
+EMULATIONS = {"bf16_stack": ("bf16", "bf16"), "bf16_weights": ("bf16", "fp32"),
+              "gemm_only": ("fp32", "fp32")}
 PAD_ID, BOS_ID, EOS_ID, BYTE_OFFSET = 0, 1, 2, 3  # byte tokenisation
 SMALL_MODEL_PARAMS = 10_000_000  # random-weight models up to this size get a warm-up by default
 DEFAULT_WARMUP_STEPS = 60
@@ -117,6 +120,11 @@ class ProbeConfig:
     dither_weights: Optional[int] = None
     # Seed of the weights, data, layouts, advantages and warm-up.
     seed: int = 0
+    # What the bf16 and fp8 rows emulate: "bf16_stack" (default: bf16 model copy quantized,
+    # activations bf16 between modules, as megatron + TE on GPU), "bf16_weights" (bf16 copy
+    # quantized, fp32 activations) or "gemm_only" (fp32 masters quantized, only GEMM operands
+    # rounded: the emulation before the bf16 stack). Side by side, they attribute the noise.
+    emulation: str = "bf16_stack"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recipes", parse_recipes(self.recipes))
@@ -129,6 +137,8 @@ class ProbeConfig:
                                  f"(or give --load HF_DIR)")
         if self.tokens not in TOKEN_SOURCES:
             raise ProbeError(f"probe.tokens: {self.tokens!r} is not one of {list(TOKEN_SOURCES)}")
+        if self.emulation not in EMULATIONS:
+            raise ProbeError(f"probe.emulation: {self.emulation!r} is not one of {list(EMULATIONS)}")
         if not self.temperature > 0:
             raise ProbeError(f"probe.temperature: must be > 0, got {self.temperature}")
         for name in ("num_seqs", "old_micro_batch", "micro_batch", "warmup_batch", "sample_len"):
@@ -597,8 +607,10 @@ def run_fp8_noise(cfg: ProbeConfig, log: Callable[[str], None] = print) -> dict[
             for n, p in params.items():
                 p.copy_(master[n])
 
-    precisions = [("fp32", "fp32", None), ("bf16", "bf16", None)] + [
-        (gname, "fp8", FP8Recipe(granularity=gname)) for gname in cfg.recipes]
+    weights, activations = EMULATIONS[cfg.emulation]
+    options = dict(weight_source=weights, activation_precision=activations)
+    precisions = [("fp32", "fp32", None), ("bf16", "bf16", FP8Recipe(**options))] + [
+        (gname, "fp8", FP8Recipe(granularity=gname, **options)) for gname in cfg.recipes]
     logp: dict[str, dict[str, torch.Tensor]] = {}
     changed: dict[str, dict[str, float]] = {_source_name(lr): {} for lr in cfg.lrs}
     with torch.no_grad():

@@ -17,6 +17,10 @@ CASES = [
     ("fp8", dict(format="e4m3", granularity="blockwise", power_of_two_scales=False)),
     ("fp8", dict(format="hybrid", granularity="mxfp8")),
     ("fp8", dict(format="e4m3", granularity="rowwise", fp8_wgrad=False)),
+    # the earlier emulation, kept as options: fp32 master weights, fp32 GEMM inputs/outputs
+    ("fp8", dict(format="hybrid", granularity="blockwise", weight_source="fp32",
+                 activation_precision="fp32")),
+    ("fp8", dict(format="e4m3", granularity="tensorwise", weight_source="fp32")),
 ]
 
 
@@ -74,14 +78,22 @@ def _reference(mode, recipe, x, grad, wc_shards, wr_shards):
         dx = b(dx) if len(wc_shards) > 1 else dx
         wg_col = [b(d).t() @ b(x2) for d in d_ys]
     else:
+        # FP8 in a bf16 stack (the recipe defaults): bf16 input, the bf16 copy of the weight
+        # quantized, bf16 output; each row-parallel rank's partial output is bf16 before the
+        # all-reduce, as a GPU's GEMM output is
+        keep = lambda t: t  # noqa: E731
+        b = round_to_bf16 if recipe.activation_precision == "bf16" else keep
+        bw = round_to_bf16 if recipe.weight_source == "bf16" else keep
         q = partial(quantize_dequantize, recipe=recipe)
-        ys = [q(x2, role="activation") @ q(w, role="weight").t() for w in wc_shards]
-        out = sum(q(y, role="activation") @ q(w, role="weight").t() for y, w in zip(ys, wr_shards))
-        d_ys = [q(g2, role="grad") @ q(w, role="weight", axis=0) for w in wr_shards]
-        dx = sum(q(d, role="grad") @ q(w, role="weight", axis=0) for d, w in zip(d_ys, wc_shards))
+        x2b = b(x2)
+        wcs, wrs = [bw(w) for w in wc_shards], [bw(w) for w in wr_shards]
+        ys = [b(q(x2b, role="activation") @ q(w, role="weight").t()) for w in wcs]
+        out = sum(b(q(y, role="activation") @ q(w, role="weight").t()) for y, w in zip(ys, wrs))
+        d_ys = [q(g2, role="grad") @ q(w, role="weight", axis=0) for w in wrs]
+        dx = sum(q(d, role="grad") @ q(w, role="weight", axis=0) for d, w in zip(d_ys, wcs))
         if recipe.fp8_wgrad:
             wg_row = [q(g2, role="grad", axis=0).t() @ q(y, role="activation", axis=0) for y in ys]
-            xw = q(x2, role="activation", axis=0)
+            xw = q(x2b, role="activation", axis=0)
             wg_col = [q(d, role="grad", axis=0).t() @ xw for d in d_ys]
         else:
             wg_row = [round_to_bf16(g2).t() @ round_to_bf16(y) for y in ys]
@@ -257,9 +269,12 @@ def _bias_gather_body(rank, world_size):
         xr = x.clone().requires_grad_(True)
         y, _ = col(xr)  # gathered: the full [s, b, FFN] on every rank
         (y * dy).sum().backward()
-        x2 = x.reshape(-1, HIDDEN)
+        from megatron_calibclip.fp8.formats import round_to_bf16 as b
+
+        x2 = b(x.reshape(-1, HIDDEN))
         q = partial(quantize_dequantize, recipe=recipe)
-        want = torch.cat([q(x2) @ q(w, role="weight").t() for w in wc_shards], dim=-1) + bias
+        want = b(torch.cat([q(x2) @ q(b(w), role="weight").t() for w in wc_shards], dim=-1)
+                 + b(bias))
         want_db = dy.reshape(-1, FFN).sum(0)[rank * n:(rank + 1) * n]
         return {"y": _max_rel(y, want), "bias_grad": _max_rel(col.bias.grad, want_db),
                 "shape": list(y.shape)}

@@ -42,7 +42,8 @@ def _delayed_updates(model):
 
 
 def _switch_body(rank, world_size, tp):
-    from megatron_calibclip.fp8 import get_precision, precision, reset_fp8_state, set_precision
+    from megatron_calibclip.fp8 import (emulated_linears, get_precision, precision, reset_fp8_state,
+                                        set_precision)
     from megatron_calibclip.parallel import model_parallel
 
     out = {}
@@ -87,7 +88,7 @@ def _switch_body(rank, world_size, tp):
             out["fp8_changes_with_history"] = not torch.equal(_logp(model, cfg, tokens), lp8_first)
         # Delayed scaling starts from scale 1 (as TE): the first backward's small gradients
         # underflow; once the grad history holds an amax, the next backward has gradients.
-        linears = [m for m in model.modules() if getattr(m, "_calibclip_emulated", False)]
+        linears = emulated_linears(model)  # the layers' GEMMs (not the bf16 output layer)
         nonzero = []
         for _ in range(2):
             model.zero_grad()
@@ -114,10 +115,12 @@ def test_precision_switch_on_the_tiny_model(dist_pool, tp):
     for rank, res in enumerate(dist_pool(2).run(_switch_body, tp)):
         assert res["fp32_bitwise"], "fp32 mode must equal the plain local-spec model"
         e16, e8 = res["err_bf16"], res["err_fp8"]
-        # BF16 rounds at 2**-9 relative, E4M3 at 2**-4: FP8 errors are an order larger
+        # BF16 rounds at 2**-9 relative, E4M3 at 2**-4; with the whole stack in bf16 (norms,
+        # residual, attention, logits: ~6e-4 mean |d logp| measured) BF16's error is several
+        # times the GEMM-only figure, and FP8's stays clearly larger (tensorwise ~3x measured)
         assert 0 < e16 < 1e-3, e16
         for name, err in e8.items():
-            assert 5 * e16 < err < 0.05, (name, err, e16)
+            assert 2 * e16 < err < 0.05, (name, err, e16)
         assert res["mode_inside"] == "bf16" and res["shadow_equals_bf16"]
         assert res["updates_unchanged"], "the BF16 pass must not touch delayed-scaling state"
         assert res["restored"] and res["restored_after_error"]

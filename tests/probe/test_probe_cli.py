@@ -34,10 +34,14 @@ def _run(tmp_path, *extra):
          "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+TINY_ARGS = ("--model", "tiny", "--num-seqs", "8", "--warmup-steps", "15", "--recipe",
+             "tensorwise,blockwise", "--old-micro-batch", "4", "--micro-batch", "2", "--lrs",
+             "1e-6,1e-5")
+
+
 def test_fp8_noise_probe_on_tiny(tmp_path):
-    proc = _run(tmp_path, "--model", "tiny", "--num-seqs", "8", "--warmup-steps", "15",
-                "--recipe", "tensorwise,blockwise", "--old-micro-batch", "4",
-                "--micro-batch", "2", "--lrs", "1e-6,1e-5")
+    """The quantizer's noise mechanisms, isolated: GEMM-only emulation (fp32 masters)."""
+    proc = _run(tmp_path, *TINY_ARGS, "--emulation", "gemm_only")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "phantom clips" in proc.stdout
     result = json.loads((tmp_path / "fp8_noise.json").read_text())
@@ -67,6 +71,28 @@ def test_fp8_noise_probe_on_tiny(tmp_path):
         assert changed["fp32"] == 1.0  # every master weight moved by lr
         assert changed["blockwise"] < changed["bf16"] < 1.0  # coarser grid: fewer jumps
         assert changed["tensorwise"] == 1.0  # fp32 scale 448/amax moved: all re-quantized
+
+
+def test_fp8_noise_probe_bf16_stack_vs_gemm_only(tmp_path):
+    """The default emulation (bf16 model copy, bf16 activations) against the GEMM-only one on
+    the same weights and tokens: BF16 gets noisier (activations, logits), FP8 re-quantizes
+    far fewer weights after an update (the bf16 copy moves only where its rounding flips)."""
+    results = {}
+    for emulation in ("gemm_only", "bf16_stack"):
+        out = tmp_path / emulation
+        proc = _run(out, *TINY_ARGS, "--emulation", emulation, "--no-plot")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[emulation] = json.loads((out / "fp8_noise.json").read_text())
+    old, new = results["gemm_only"], results["bf16_stack"]
+    assert (old["config"]["emulation"], new["config"]["emulation"]) == ("gemm_only", "bf16_stack")
+    bf16_err = {k: r["static"]["bf16"]["vs_fp32"]["all_mean"] for k, r in results.items()}
+    assert bf16_err["bf16_stack"] > 1.5 * bf16_err["gemm_only"], bf16_err
+    for src in ("update_lr1e-06", "update_lr1e-05"):
+        changed = {k: r["gemm_weights_changed_frac"][src]["tensorwise"] for k, r in results.items()}
+        assert changed["gemm_only"] == 1.0 and changed["bf16_stack"] < 0.5, changed
+    # the layout-coupling mechanism of a shared tensorwise scale is there in both
+    for r in results.values():
+        assert r["sources"]["layout"]["tensorwise"]["ratio_ne_1_frac"] > 0.5
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.dist
 CALIB = {"period": 1, "ema_beta": 0.5, "min_clipped_tokens": 4, "widen_only": False}
 CFG = merge(TINY_TRAIN, {
     "parallel": {"tp": 1},
-    "run": {"tensorboard": False, "plot": False, "steps": 4},
+    "run": {"tensorboard": False, "plot": False, "steps": 4, "seed": 3},
     "warmup": {"steps": 40, "prompts_per_step": 16},
     "algorithm": {"group_size": 8, "prompts_per_step": 8, "mini_batches": 4, "micro_batch_size": 8},
     "optimizer": {"lr": 5e-3},
@@ -106,7 +106,9 @@ def test_calibrations_succeed_move_bounds_and_reach_the_loss(dist_pool, tmp_path
                            data["mask"], 0.2, 0.2, rule="log_scale", min_clipped=4, widen_only=False)
         assert ref.reason is None
         assert r["calib/n_neg"] == int(((data["advantages"] < 0) & data["mask"]).sum())
-        assert 0.0 <= math.log(r["calib/lower_raw"]) - ref.log_lower_raw <= r["calib/resolution"] + 1e-9
+        # L* rounded up to the estimator's grid (exp then log in the record: 1e-12 slack)
+        gap = math.log(r["calib/lower_raw"]) - ref.log_lower_raw
+        assert -1e-12 <= gap <= r["calib/resolution"] + 1e-9
     # [L, H] moved away from the initial bounds and kept moving with the smoothing
     bounds = [(r["clip/lower"], r["clip/upper"]) for r in records]
     assert len(set(bounds)) == len(bounds), bounds
