@@ -44,143 +44,39 @@ Runs single-process at TP=1 (inside an initialised model-parallel world).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-PROB_EDGES: tuple[float, ...] = (0.0, 0.01, 0.1, 0.5, 1.0)
-GRANULARITIES: tuple[str, ...] = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")
-TOKEN_SOURCES: tuple[str, ...] = ("chain_sum", "samples", "random")
-# probe.emulation -> (FP8Recipe.weight_source, FP8Recipe.activation_precision)
-EMULATIONS = {"bf16_stack": ("bf16", "bf16"), "bf16_weights": ("bf16", "fp32"),
-              "gemm_only": ("fp32", "fp32")}
-PAD_ID, BOS_ID, EOS_ID, BYTE_OFFSET = 0, 1, 2, 3  # byte tokenisation
-SMALL_MODEL_PARAMS = 10_000_000  # random-weight models up to this size get a warm-up by default
-DEFAULT_WARMUP_STEPS = 60
-
-
-class ProbeError(ValueError):
-    """A probe setting is invalid, or what it needs is missing; the message says which."""
-
-
-@dataclass(frozen=True)
-class ProbeConfig:
-    # Model preset (megatron_calibclip.models.PRESETS) built with random weights (seed), or,
-    # with `load`, the architecture read from the HF folder's config.json.
-    model: str = "tiny"
-    # Hugging Face folder (config.json + *.safetensors) loaded through megatron_calibclip.
-    # checkpoint (HFSource / load_hf_into_model); None = random weights.
-    load: Optional[str] = None
-    # FP8 granularities compared side by side (forward GEMMs in E4M3; the probe runs no FP8
-    # backward, so the hybrid format would give the same numbers).
-    recipes: tuple[str, ...] = GRANULARITIES
-    # "chain_sum": reasoning-gym chain_sum question + answer text (every position measured);
-    # "samples": chain_sum questions + responses sampled from the model (fp32, KV-cached
-    # rollout engine), only response tokens measured (as in RL); "random": uniform token ids.
-    tokens: str = "chain_sum"
-    # Number of sequences in the probed batch.
-    num_seqs: int = 32
-    # Longest sequence in tokens (text is truncated); random tokens: lengths in [max/2, max].
-    max_len: int = 128
-    # samples only: response length limit (tokens, EOS included) and sampling temperature.
-    sample_len: int = 48
-    temperature: float = 1.0
-    # chain_sum only: fraction of the probed positions (after the first) replaced by uniform
-    # random token ids, a stand-in for the unlikely tokens sampling produces (they populate
-    # the p < 0.01 bucket; a model that read only clean text gives them p ~ 1e-4).
-    corrupt: float = 0.05
-    # Layout A (old log-probs): consecutive micro-batches of this many sequences.
-    old_micro_batch: int = 8
-    # Layout B (current log-probs): micro-batches of this many sequences after a shuffle.
-    micro_batch: int = 4
-    # Learning rates of the one-step "update" sources (w <- w - lr * sign(grad)).
-    lrs: tuple[float, ...] = (1e-6, 1e-5)
-    # PPO lower clip: a negative-advantage token is clipped when r < 1 - eps_low.
-    eps_low: float = 0.2
-    # PPO upper clip: a positive-advantage token is clipped when r > 1 + eps_high.
-    eps_high: float = 0.28
-    # Fraction of sequences given advantage -1 (the others +1).
-    neg_frac: float = 0.5
-    # Supervised warm-up steps before probing (fp32, Adam). None = DEFAULT_WARMUP_STEPS for a
-    # random-weight model of <= SMALL_MODEL_PARAMS parameters, else 0.
-    warmup_steps: Optional[int] = None
-    # Adam learning rate of the warm-up.
-    warmup_lr: float = 3e-3
-    # Sequences per warm-up step (drawn from 4x as many problems as the probe batch, seeded).
-    warmup_batch: int = 16
-    # With `load`: shift fp32 weights lying exactly halfway between two bf16 values by a
-    # seeded random amount below half a bf16 step (checkpoint.ties); None = leave them.
-    break_bf16_ties: Optional[int] = None
-    # Move weights that sit exactly on a bf16 or E4M3 (power-of-two scale) rounding tie by a
-    # seeded amount below half a bf16 step, keeping their bf16 values (dither_weights()); None =
-    # leave them. Checkpoints stored in bf16 or 4-bit GGUF are full of such ties.
-    dither_weights: Optional[int] = None
-    # Seed of the weights, data, layouts, advantages and warm-up.
-    seed: int = 0
-    # What the bf16 and fp8 rows emulate: "bf16_stack" (default: bf16 model copy quantized,
-    # activations bf16 between modules, as megatron + TE on GPU), "bf16_weights" (bf16 copy
-    # quantized, fp32 activations) or "gemm_only" (fp32 masters quantized, only GEMM operands
-    # rounded: the emulation before the bf16 stack). Side by side, they attribute the noise.
-    emulation: str = "bf16_stack"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "recipes", parse_recipes(self.recipes))
-        object.__setattr__(self, "lrs", tuple(float(v) for v in self.lrs))
-        if self.load is None:
-            from megatron_calibclip.models.config import PRESETS
-
-            if self.model not in PRESETS:
-                raise ProbeError(f"probe.model: {self.model!r} is not one of {sorted(PRESETS)} "
-                                 f"(or give --load HF_DIR)")
-        if self.tokens not in TOKEN_SOURCES:
-            raise ProbeError(f"probe.tokens: {self.tokens!r} is not one of {list(TOKEN_SOURCES)}")
-        if self.emulation not in EMULATIONS:
-            raise ProbeError(f"probe.emulation: {self.emulation!r} is not one of {list(EMULATIONS)}")
-        if not self.temperature > 0:
-            raise ProbeError(f"probe.temperature: must be > 0, got {self.temperature}")
-        for name in ("num_seqs", "old_micro_batch", "micro_batch", "warmup_batch", "sample_len"):
-            if getattr(self, name) < 1:
-                raise ProbeError(f"probe.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.max_len < 4:
-            raise ProbeError(f"probe.max_len: must be >= 4, got {self.max_len}")
-        if not self.lrs or any(not (lr > 0 and math.isfinite(lr)) for lr in self.lrs):
-            raise ProbeError(f"probe.lrs: need one or more positive learning rates, got "
-                             f"{list(self.lrs)}")
-        if not 0 < self.eps_low < 1:
-            raise ProbeError(f"probe.eps_low: must be in (0, 1), got {self.eps_low}")
-        if not self.eps_high > 0:
-            raise ProbeError(f"probe.eps_high: must be > 0, got {self.eps_high}")
-        if not 0 <= self.corrupt < 1:
-            raise ProbeError(f"probe.corrupt: must be in [0, 1), got {self.corrupt}")
-        if not 0 < self.neg_frac <= 1:
-            raise ProbeError(f"probe.neg_frac: must be in (0, 1], got {self.neg_frac}")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise ProbeError(f"probe.warmup_steps: must be >= 0, got {self.warmup_steps}")
-
-
-def parse_recipes(spec: str | Sequence[str]) -> tuple[str, ...]:
-    """"all" | "tensorwise,blockwise" | a list of names -> validated granularities, in the
-    canonical order, without duplicates."""
-    items = spec.split(",") if isinstance(spec, str) else list(spec)
-    names: list[str] = []
-    for item in items:
-        for name in str(item).split(","):
-            name = name.strip()
-            if not name:
-                continue
-            if name == "all":
-                names.extend(GRANULARITIES)
-            elif name in GRANULARITIES:
-                names.append(name)
-            else:
-                raise ProbeError(f"probe.recipes: {name!r} is not one of "
-                                 f"{list(GRANULARITIES) + ['all']}")
-    if not names:
-        raise ProbeError("probe.recipes: no recipe given")
-    return tuple(g for g in GRANULARITIES if g in names)
+# re-exported: the probe's public names live here (tests, cli.py, probe/__init__.py)
+from megatron_calibclip.probe.config import (  # noqa: F401
+    BOS_ID,
+    BYTE_OFFSET,
+    DEFAULT_WARMUP_STEPS,
+    EMULATIONS,
+    EOS_ID,
+    GRANULARITIES,
+    PAD_ID,
+    PROB_EDGES,
+    SMALL_MODEL_PARAMS,
+    TOKEN_SOURCES,
+    ProbeConfig,
+    ProbeError,
+    parse_recipes,
+)
+from megatron_calibclip.probe.data import (  # noqa: F401
+    _Tokens,
+    make_layouts,
+    make_samples,
+    make_sequences,
+)
+from megatron_calibclip.probe.weights import (  # noqa: F401
+    _changed_fraction,
+    _gemm_weights,
+    dither_weights,
+    rounding_tie_fractions,
+)
 
 
 # ------------------------------------------------------------------------ statistics
@@ -230,93 +126,6 @@ def ratio_stats(log_r: torch.Tensor, log_r_bf16: torch.Tensor, log_r_fp32: torch
 
 
 # ------------------------------------------------------------------------ data
-def _byte_ids(text: str) -> list[int]:
-    return [BYTE_OFFSET + b for b in text.encode("utf-8")]
-
-
-def _chain_sum(n: int, seed: int) -> list[tuple[str, str]]:
-    from megatron_calibclip.data import reasoning_gym_records
-
-    return [(r.prompt, r.answer) for r in reasoning_gym_records("chain_sum", n, seed)]
-
-
-class _Tokens:
-    """Byte tokens (id = byte + 3; pad 0, BOS 1, EOS 2) or an HF tokenizer, one interface."""
-
-    def __init__(self, vocab_size: int, tokenizer=None):
-        self.tok = tokenizer
-        if tokenizer is None and vocab_size < BYTE_OFFSET + 256:
-            raise ProbeError(f"byte tokens need a vocabulary of >= {BYTE_OFFSET + 256}, the "
-                             f"model has {vocab_size}")
-        self.pad = tokenizer.pad_id if tokenizer is not None else PAD_ID
-        self.eos = tokenizer.eos_id if tokenizer is not None else EOS_ID
-        self.special_lo = 0 if tokenizer is not None else BYTE_OFFSET
-
-    def text(self, text: str) -> list[int]:
-        if self.tok is None:
-            return [BOS_ID] + _byte_ids(text)
-        return list(self.tok.encode(text))
-
-    def prompt(self, question: str) -> list[int]:
-        """What a response is sampled after: the chat template for HF instruct models."""
-        if self.tok is None:
-            return [BOS_ID] + _byte_ids(question + " ")
-        template = getattr(self.tok, "apply_chat_template", None)
-        if template is not None and getattr(getattr(self.tok, "_tok", None), "chat_template",
-                                            None):
-            return list(self.tok.encode(template(question)))
-        return list(self.tok.encode(question + " "))
-
-
-def make_sequences(cfg: ProbeConfig, n: int, seed: int, vocab_size: int, tokenizer=None,
-                   corrupt: float = 0.0, eos: bool = False) -> list[torch.Tensor]:
-    """n token sequences (1-D LongTensors, length >= 2): chain_sum question + answer text (EOS
-    appended if `eos`), or random ids (tokens == "random"); with `corrupt` > 0 (text only)
-    that fraction of positions >= 1 gets uniform random ids."""
-    if cfg.tokens == "random":
-        g = torch.Generator().manual_seed(seed)
-        lengths = torch.randint(cfg.max_len // 2, cfg.max_len + 1, (n,), generator=g)
-        return [torch.randint(1, vocab_size, (int(L),), generator=g) for L in lengths]
-    toks = _Tokens(vocab_size, tokenizer)
-    seqs = [(toks.text(f"{q} {a}") + ([toks.eos] if eos else []))[:cfg.max_len]
-            for q, a in _chain_sum(n, seed)]
-    out = [torch.tensor(s, dtype=torch.long) for s in seqs if len(s) >= 2]
-    if corrupt > 0:
-        g = torch.Generator().manual_seed(seed + 29)
-        for s in out:
-            hit = torch.rand(len(s), generator=g) < corrupt
-            hit[0] = False
-            s[hit] = torch.randint(toks.special_lo, vocab_size, (int(hit.sum()),), generator=g)
-    return out
-
-
-def make_samples(model, cfg: ProbeConfig, n: int, seed: int, vocab_size: int, tokenizer=None
-                 ) -> tuple[list[torch.Tensor], list[int]]:
-    """chain_sum questions + responses sampled from the model in its current precision;
-    returns the sequences and, per sequence, the index of its first response token."""
-    from megatron_calibclip.rollout import MegatronRolloutEngine, SamplingParams
-
-    toks = _Tokens(vocab_size, tokenizer)
-    prompts = [toks.prompt(q)[-(cfg.max_len - 1):] for q, _ in _chain_sum(n, seed)]
-    engine = MegatronRolloutEngine(model, vocab_size, toks.eos, toks.pad)
-    batch = engine.generate(prompts, SamplingParams(temperature=cfg.temperature,
-                                                    max_new_tokens=cfg.sample_len), seed)
-    seqs, starts = [], []
-    for i, response in enumerate(batch.responses()):
-        seqs.append(torch.tensor(prompts[i] + response, dtype=torch.long))
-        starts.append(len(prompts[i]))
-    return seqs, starts
-
-
-def make_layouts(n: int, old_mb: int, new_mb: int, seed: int
-                 ) -> tuple[list[list[int]], list[list[int]]]:
-    """Layout A: consecutive groups of old_mb; layout B: groups of new_mb after a shuffle."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 17)).tolist()
-    a = [list(range(i, min(i + old_mb, n))) for i in range(0, n, old_mb)]
-    b = [order[i:i + new_mb] for i in range(0, n, new_mb)]
-    return a, b
-
-
 def _pad(seqs: list[torch.Tensor], pad_id: int) -> torch.Tensor:
     batch = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.long)
     for j, s in enumerate(seqs):
@@ -386,84 +195,6 @@ def _update_direction(model, seqs, layout, adv_tok, vocab, pad_id) -> dict[str, 
                  if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return direction
-
-
-def _gemm_weights(model, mode: str) -> list[torch.Tensor]:
-    """The weights of the emulated linears as their GEMMs see them in `mode`."""
-    from megatron_calibclip.fp8 import emulated_linears
-    from megatron_calibclip.fp8.formats import round_to_bf16
-
-    linears = emulated_linears(model)
-    if mode == "fp32":
-        return [m.weight.detach().clone() for m in linears]
-    if mode == "bf16":
-        return [round_to_bf16(m.weight.detach()) for m in linears]
-    return [m.quantized_weight() if m.effective_mode() == "fp8" else round_to_bf16(m.weight)
-            for m in linears]
-
-
-def _changed_fraction(before: list[torch.Tensor], after: list[torch.Tensor]) -> float:
-    changed = sum(int((a != b).sum()) for a, b in zip(after, before))
-    return changed / max(sum(b.numel() for b in before), 1)
-
-
-def rounding_tie_fractions(model, recipes: Sequence[str]) -> dict[str, Optional[float]]:
-    """Fraction of the emulated linears' weights that sit exactly on a rounding tie: halfway
-    between two bf16 values ("bf16"), or, after the recipe's weight scale, halfway between two
-    E4M3 values (per recipe; None for delayed, whose scale depends on history). Any update
-    moves all tied weights the same way (round-half-even flips with the update's sign), which
-    fakes ratio noise. With power-of-two scales (blockwise, mxfp8) every bf16-exact weight
-    whose 4 low bf16 mantissa bits are 1000 is an E4M3 tie (~6% of a bf16 checkpoint)."""
-    from megatron_calibclip.fp8 import E4M3, FP8Recipe, emulated_linears, quantize
-    from megatron_calibclip.fp8.formats import round_to_fp8
-
-    weights = [m.weight.detach().float() for m in emulated_linears(model)]
-    total = max(sum(w.numel() for w in weights), 1)
-    bf16 = sum(int(((w.contiguous().view(torch.int32) & 0xFFFF) == 0x8000).sum())
-               for w in weights)
-    out: dict[str, Optional[float]] = {"bf16": bf16 / total}
-    for name in recipes:
-        if name == "delayed":
-            out[name] = None
-            continue
-        recipe, ties = FP8Recipe(granularity=name), 0
-        for w in weights:
-            q = quantize(w, recipe, "weight")
-            scale = q.unblock(torch.ones_like(q.data, dtype=torch.float32) * q.scale)
-            scaled = w * scale  # what the kernel rounds (fp32 product, as in quantize)
-            up = round_to_fp8(torch.nextafter(scaled, torch.full_like(scaled, math.inf)), E4M3)
-            dn = round_to_fp8(torch.nextafter(scaled, torch.full_like(scaled, -math.inf)), E4M3)
-            ties += int(((up != dn) & (scaled.abs() < E4M3.max)).sum())
-        out[name] = ties / total
-    return out
-
-
-def dither_weights(model, seed: int) -> int:
-    """Move every tied weight of the emulated linears off its tie, keeping its bf16 value.
-
-    fp32 bits with low 16 bits 0x8000 (bf16 ties) get 0x8000 +- d; non-zero bf16-exact values
-    (low 16 bits 0, which holds every E4M3 tie under a power-of-two scale) get +- d; d in
-    [1, 0x7FFF], seeded per tensor. Both stay within half a bf16 step, on the side that rounds
-    to the same bf16 value (ties: a random side). Other weights are unchanged. Returns the
-    number of weights moved."""
-    from megatron_calibclip.fp8 import emulated_linears
-
-    moved = 0
-    with torch.no_grad():
-        for i, m in enumerate(emulated_linears(model)):
-            w = m.weight
-            g = torch.Generator().manual_seed(seed * 1_000_003 + i)
-            bits = w.detach().float().contiguous().view(torch.int32).clone()
-            low = bits & 0xFFFF
-            tie = low == 0x8000
-            exact = (low == 0) & (w.detach() != 0)
-            d = torch.randint(1, 0x8000, bits.shape, generator=g, dtype=torch.int32)
-            d = d * (torch.randint(0, 2, bits.shape, generator=g, dtype=torch.int32) * 2 - 1)
-            bits = torch.where(tie, (bits & ~0xFFFF) | (0x8000 + d), bits)
-            bits = torch.where(exact, bits + d, bits)
-            w.copy_(bits.view(torch.float32).to(w.dtype))
-            moved += int(tie.sum() + exact.sum())
-    return moved
 
 
 def _build_model(cfg: ProbeConfig, log: Callable[[str], None]):
