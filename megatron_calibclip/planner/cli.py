@@ -75,6 +75,14 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 def _hardware(args):
     from megatron_calibclip.planner.spec import Hardware
 
+    for flag, value, ok, rule in (
+            ("--gpus-per-node", args.gpus_per_node, args.gpus_per_node >= 1, ">= 1"),
+            ("--reserve-gib", args.reserve_gib, args.reserve_gib >= 0, ">= 0"),
+            ("--margin-gib", args.margin_gib, args.margin_gib >= 0, ">= 0"),
+            ("--gpu-memory-gib", args.gpu_memory_gib,
+             args.gpu_memory_gib is None or args.gpu_memory_gib > 0, "> 0")):
+        if not ok:
+            raise ValueError(f"{flag} {value} is invalid: it must be {rule}")
     kw = {"gpus_per_node": args.gpus_per_node, "reserve_gib": args.reserve_gib}
     if args.gpu_memory_gib:
         kw["gpu_memory_gib"] = args.gpu_memory_gib

@@ -237,3 +237,12 @@ def test_cli_nothing_fits_lists_the_layouts_and_what_would_fit(capsys):
 def test_cli_zero_gpus_has_its_own_message(capsys):
     assert _run(["--model", "qwen3-32b", "--gpus", "0"]) == 2
     assert "--gpus must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, rule", [("--gpu-memory-gib", "-5", "> 0"),
+                                               ("--reserve-gib", "-1", ">= 0"),
+                                               ("--gpus-per-node", "0", ">= 1")])
+def test_cli_bad_hardware_is_one_line(capsys, flag, value, rule):
+    assert _run(["--model", "qwen3-8b", "--gpus", "8", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag in err and rule in err, err
