@@ -230,19 +230,17 @@ class CheckpointManager:
                        key=lambda c: disk.step_of(c.name), reverse=True)
         damaged = []
         for candidate in [path, *older]:
-            bad = damaged_file(candidate)
-            # every rank must take the same folder (a rank-local read error must not split them)
-            if not any_rank(bad is not None):
+            damage = _damage(candidate)
+            if damage is None:
                 if damaged and dist.get_rank() == 0:
                     what = "; ".join(damaged)
                     logger.warning("damaged checkpoint(s) skipped: %s; resuming from %s",
                                    what, candidate)
                     print(f"warning: damaged checkpoint(s) skipped: {what}; resuming from "
                           f"{candidate}, the newest intact one", file=sys.stderr, flush=True)
-                return self.load(candidate, model, optimizer, stateful=stateful, frozen=frozen,
-                                 restore_rng=restore_rng)
-            damaged.append(f"{candidate.name}/{bad[0]} {bad[1]}" if bad else
-                           f"{candidate.name} (damaged on another rank)")
+                return self._load_intact(candidate, model, optimizer, stateful=stateful,
+                                         frozen=frozen, restore_rng=restore_rng)
+            damaged.append(f"{candidate.name}/{damage}")
         raise DamagedCheckpointError(
             f"no intact checkpoint in {self.root}: {'; '.join(damaged)}; move the damaged "
             f"folders away, or start over with run.overwrite=true")
@@ -262,10 +260,17 @@ class CheckpointManager:
         optimizer=None loads the model only (e.g. to start training from converted weights).
         """
         folder = disk.resolve_checkpoint(path)
-        bad = damaged_file(folder)
-        if any_rank(bad is not None):  # all ranks stop, none waits in the reader's collectives
-            what = f"{bad[0]} {bad[1]}" if bad else "a file is unreadable on another rank"
-            raise DamagedCheckpointError(f"checkpoint {folder} is damaged: {what}")
+        damage = _damage(folder)
+        if damage is not None:
+            raise DamagedCheckpointError(f"checkpoint {folder} is damaged: {damage}")
+        return self._load_intact(folder, model, optimizer, stateful=stateful, frozen=frozen,
+                                 restore_rng=restore_rng)
+
+    def _load_intact(self, folder: Path, model: ModelArg, optimizer: Any, *,
+                     stateful: Optional[Mapping[str, Stateful]],
+                     frozen: Optional[Mapping[str, torch.nn.Module]],
+                     restore_rng: bool) -> LoadedCheckpoint:
+        """`load` of a folder `_damage` has already passed (collective)."""
         info = CheckpointInfo.read(folder)
         if optimizer is not None and FRESH_OPTIMIZER in info.contents:
             optimizer = None  # saved before the first optimizer step: keep the fresh one
@@ -316,6 +321,16 @@ class CheckpointManager:
                            "restored", folder, info.layout, ParallelSizes.current())
         return LoadedCheckpoint(folder, int(payload["step"]), dict(payload["extra_state"]),
                                 load_rng, info)
+
+
+def _damage(folder: Path) -> Optional[str]:
+    """Collective: "<file> <what is wrong>" if `folder` is damaged on any rank, else None, the
+    same answer on every rank (a rank-local read error must not split them: the others would
+    wait in the reader's collectives)."""
+    bad = damaged_file(folder)
+    if not any_rank(bad is not None):
+        return None
+    return f"{bad[0]} {bad[1]}" if bad else "a file is unreadable on another rank"
 
 
 def load_weights(path: Union[str, os.PathLike], model: ModelArg) -> LoadedCheckpoint:

@@ -37,6 +37,12 @@ class SkipCounter:
     def total(self) -> int:
         return sum(self.skipped.values())
 
+    def summary(self) -> str:
+        """'3 record(s) skipped (data.on_bad=skip): invalid JSON x2, missing field(s) x1'."""
+        ordered = sorted(self.skipped.items(), key=lambda kv: -kv[1])
+        reasons = ", ".join(f"{k} x{v}" for k, v in ordered)
+        return f"{self.total} record(s) skipped (data.on_bad=skip): {reasons}"
+
 
 def read_jsonl(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer",
                on_bad: OnBad = "error", skips: SkipCounter | None = None) -> list[PromptRecord]:

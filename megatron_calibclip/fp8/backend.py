@@ -24,12 +24,12 @@ from megatron_calibclip.fp8.recipe import BACKEND_VALUES
 TORCH_GRANULARITIES: tuple[str, ...] = ("tensorwise", "delayed", "rowwise")
 
 
-def _te_installed() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
-def _has_scaled_mm() -> bool:
-    return hasattr(torch, "_scaled_mm")
+@functools.lru_cache(maxsize=1)
+def _machine() -> tuple[bool, bool, bool]:
+    """(CUDA, transformer-engine installed, torch._scaled_mm): fixed for a process, looked up
+    once (every emulated FP8 forward resolves its backend)."""
+    return (torch.cuda.is_available(), importlib.util.find_spec("transformer_engine") is not None,
+            hasattr(torch, "_scaled_mm"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,7 +60,7 @@ def _resolve(requested: str, cuda: bool, te: bool, scaled_mm: bool) -> tuple[str
 def resolve_backend(requested: str) -> tuple[str, str]:
     """(backend, why) for `fp8.backend = requested` on this machine; ConfigError if the
     requested backend cannot run here."""
-    return _resolve(requested, torch.cuda.is_available(), _te_installed(), _has_scaled_mm())
+    return _resolve(requested, *_machine())
 
 
 def check_backend_supports(backend: str, granularity: str) -> None:

@@ -58,13 +58,6 @@ def _warmup(c: Components, cfg: TrainConfig, rank0: bool) -> None:
               f"{losses[-1]:.3f} ({time.perf_counter() - t:.1f}s)")
 
 
-def skipped_line(skips) -> str:
-    """'3 records skipped (data.on_bad=skip): invalid JSON x2, missing 'answer' x1'."""
-    reasons = ", ".join(f"{k} x{v}"
-                        for k, v in sorted(skips.skipped.items(), key=lambda kv: -kv[1]))
-    return f"{skips.total} record(s) skipped (data.on_bad=skip): {reasons}"
-
-
 def run_dir_for(cfg: TrainConfig) -> Path:
     return Path(cfg.run.output_dir) / cfg.run.name
 
@@ -103,7 +96,7 @@ def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
         if rank0:  # only a configuration that built is recorded
             (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
             if c.skips.total:
-                print(f"data: {skipped_line(c.skips)}", flush=True)
+                print(f"data: {c.skips.summary()}", flush=True)
         if checkpointer is None and cfg.run.checkpoint:
             from megatron_calibclip.checkpoint import TrainerCheckpointer
 
@@ -170,7 +163,7 @@ def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
             print(calibration_table(all_records))
             print(calibration_line(all_records))
         if c.skips.total:
-            print(f"data: {skipped_line(c.skips)}")
+            print(f"data: {c.skips.summary()}")
         print(f"{len(records)} steps in {time.perf_counter() - t0:.1f}s; outputs in {run_dir}/ "
               f"(metrics.jsonl, tensorboard/, summary.png, config.yaml"
               f"{', checkpoints/' if checkpointer is not None else ''})")

@@ -20,8 +20,8 @@ import yaml
 from megatron_calibclip.config import to_dict
 
 # may differ between a run and its continuation: how long, how often to save, what to show
-IGNORED = {"run.steps", "run.progress", "run.tensorboard", "run.plot", "run.save_every", "run.checkpoint",
-           "run.keep_checkpoints", "run.overwrite", "run.output_dir",
+IGNORED = {"run.steps", "run.progress", "run.tensorboard", "run.plot", "run.save_every",
+           "run.checkpoint", "run.keep_checkpoints", "run.overwrite", "run.output_dir",
            "clipping.calibration.record_dir"}
 
 
@@ -89,17 +89,17 @@ def check_run_dir(path: Path, cfg: Any, has_checkpoint: bool | None = None) -> R
             raise RunDirError(f"{where} holds results but its config.yaml is unreadable; {how}")
         diff = config_differences(saved, current)
         if diff:
-            shown = ", ".join(f"{k} ({_short(_flatten(saved)[k])} -> {_short(_flatten(current)[k])})"
-                              for k in diff[:4])
+            before, after = _flatten(saved), _flatten(current)
+            shown = ", ".join(f"{k} ({_short(before[k])} -> {_short(after[k])})" for k in diff[:4])
             more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
             raise RunDirError(f"{where} holds a run with another configuration "
                               f"(differs in {shown}{more}); {how}")
-    if not state.has_checkpoint and cfg.run.checkpoint:
-        raise RunDirError(f"{where} holds {state.metrics_records} steps of metrics but no checkpoint "
-                          f"to resume from; {how}")
+    held = f"{where} holds {state.metrics_records} steps of metrics"
     if not cfg.run.checkpoint:
-        raise RunDirError(f"{where} holds {state.metrics_records} steps of metrics and run.checkpoint "
-                          f"is false, so this run would start over and replace them; {how}")
+        raise RunDirError(f"{held} and run.checkpoint is false, so this run would start over "
+                          f"and replace them; {how}")
+    if not state.has_checkpoint:
+        raise RunDirError(f"{held} but no checkpoint to resume from; {how}")
     return state
 
 
