@@ -120,12 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_train)
     from megatron_calibclip.bench.cli import add_bench_parser
     from megatron_calibclip.checkpoint.cli import add_convert_parser
+    from megatron_calibclip.experiment.cli import add_experiment_parser
 
     from megatron_calibclip.planner.cli import add_plan_parser
     from megatron_calibclip.probe.cli import add_probe_parser
 
     add_bench_parser(sub)
     add_convert_parser(sub)
+    add_experiment_parser(sub)
     add_plan_parser(sub)
     add_probe_parser(sub)
     return parser

@@ -102,3 +102,20 @@ def test_bad_input_is_rejected(targets, match):
     logits, _, _, _ = _case()
     with pytest.raises(ValueError, match=match):
         vocab_parallel_logprobs_entropy(logits, targets, true_vocab_size=TRUE_VOCAB)
+
+
+def test_mask_free_kernel_is_bit_identical_to_the_masked_one():
+    """benchmarks/speed/bench_logprob_kernel.py keeps the kernel as it was (masks over the
+    whole vocabulary); outputs and gradients must agree bit for bit, signs of zero included."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "speed" / "bench_logprob_kernel.py"
+    proc = subprocess.run([sys.executable, str(script), "--tokens", "64", "--vocab", "1000",
+                           "--repeats", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert result["bit_identical"] is True
+    assert result["before"]["forward_s"] > 0 and result["after"]["forward_s"] > 0

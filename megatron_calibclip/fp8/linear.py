@@ -17,10 +17,12 @@ The emulated GEMM does what the hardware does, in fp32 on CPU:
   per the recipe (scales per TP shard: each rank sees only its shard, as each GPU would),
   product of the dequantized values accumulated in fp32, output rounded to bf16. With
   fp8.backend "torch" the forward GEMM is a real FP8 GEMM (torch._scaled_mm) on the same
-  codes and scales; the backward stays emulated. The weight is quantized at every forward,
-  never cached. Backward, as Transformer Engine: the output gradient is quantized
-  (E5M2 under "hybrid"), dgrad uses the weight quantized along the output dim, wgrad the
-  input quantized along the token dim (both saved from the forward).
+  codes and scales; the backward stays emulated. The weight's operands (its bf16 copy, its
+  FP8 codes) are computed once and reused until the master weight changes
+  (fp8/weight_cache.py, as TE caches FP8 weights between micro-batches). Backward, as
+  Transformer Engine: the output gradient is quantized (E5M2 under "hybrid"), dgrad uses
+  the weight quantized along the output dim, wgrad the input quantized along the token dim
+  (both saved from the forward).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from megatron_calibclip.fp8.precision import PrecisionState, rounds_activations
 from megatron_calibclip.fp8.quantize import Quantized, quantize, quantize_dequantize, same_both_ways
 from megatron_calibclip.fp8.recipe import ROLE_VALUES, FP8Recipe
 from megatron_calibclip.fp8.scaled_mm import scaled_mm
+from megatron_calibclip.fp8.weight_cache import WeightCache
 
 
 OUTPUT_LAYER_NAME = "output"  # the bf16 output layer (models/bf16_stack.py); never FP8
@@ -63,16 +66,19 @@ class _Gemm:
     recipe: Optional[FP8Recipe]
     states: Optional[dict[str, AmaxHistory]]  # delayed scaling only
     backend: str = "emulated"  # fp8 forward GEMM: "emulated" (fp32 math) or "torch" (_scaled_mm)
+    weights: Optional[WeightCache] = None  # the layer's cached weight operands
+
+
+def _state(gemm: _Gemm, role: str) -> Optional[AmaxHistory]:
+    return gemm.states[role] if gemm.states is not None else None
 
 
 def _qd(x: torch.Tensor, gemm: _Gemm, role: str, axis: int) -> torch.Tensor:
-    state = gemm.states[role] if gemm.states is not None else None
-    return quantize_dequantize(x, gemm.recipe, role, axis=axis, state=state)
+    return quantize_dequantize(x, gemm.recipe, role, axis=axis, state=_state(gemm, role))
 
 
 def _q(x: torch.Tensor, gemm: _Gemm, role: str, axis: int) -> Quantized:
-    state = gemm.states[role] if gemm.states is not None else None
-    return quantize(x, gemm.recipe, role, axis=axis, state=state)
+    return quantize(x, gemm.recipe, role, axis=axis, state=_state(gemm, role))
 
 
 class _EmulatedLinearFunction(torch.autograd.Function):
@@ -85,31 +91,30 @@ class _EmulatedLinearFunction(torch.autograd.Function):
         bf16_io = gemm.mode == "bf16" or gemm.recipe.activation_precision == "bf16"
         x2 = x.reshape(-1, x.shape[-1]).float()
         x2 = round_to_bf16(x2) if bf16_io else x2
-        w = weight.float()
         b = bias.float() if bias is not None else None
         b = round_to_bf16(b) if (b is not None and bf16_io) else b
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x_for_wgrad = w_for_dgrad = None
         if gemm.mode == "bf16":
-            wf = round_to_bf16(w)
+            wf = gemm.weights.operands(weight, None).forward_copy
             out = x2 @ wf.t()
             x_for_wgrad, w_for_dgrad = x2, wf
         else:
             recipe = gemm.recipe
-            if recipe.weight_source == "bf16":
-                w = round_to_bf16(w)  # TE quantizes the bf16 model copy (fp8_param off)
             if gemm.backend == "torch":  # a real FP8 GEMM on the same codes and scales
-                qx, qw = _q(x2, gemm, "activation", -1), _q(w, gemm, "weight", -1)
-                xf, wf = qx.dequantize(x2.dtype), qw.dequantize(w.dtype)
-                out = scaled_mm(qx, qw, x2.shape[0], w.shape[0], recipe.granularity)
+                qx = _q(x2, gemm, "activation", -1)
+                ops = gemm.weights.operands(weight, recipe, _state(gemm, "weight"))
+                xf, wf = qx.dequantize(x2.dtype), ops.forward_copy
+                out = scaled_mm(qx, ops.quantized, x2.shape[0], wf.shape[0], recipe.granularity)
             else:
                 xf = _qd(x2, gemm, "activation", -1)
-                wf = _qd(w, gemm, "weight", -1)
+                ops = gemm.weights.operands(weight, recipe, _state(gemm, "weight"))
+                wf = ops.forward_copy
                 out = xf @ wf.t()
             if need_wgrad:
                 x_for_wgrad = _wgrad_operand(x2, xf, recipe, "activation")
             if need_dgrad:
-                w_for_dgrad = _transposed_copy(w, wf, recipe, "weight")
+                w_for_dgrad = ops.dgrad_copy()
         if b is not None:
             out = out + b
         if bf16_io:
@@ -165,6 +170,7 @@ class _EmulatedLinearMixin:
         self.fp8_name = name
         self._amax_states: Optional[dict[str, AmaxHistory]] = None
         self._amax_key: Optional[tuple] = None
+        self.weight_cache = WeightCache()
 
     def reset_fp8_state(self) -> None:
         """Drop the delayed-scaling histories (the next FP8 forward starts from scale 1)."""
@@ -252,7 +258,7 @@ class _EmulatedLinearMixin:
                                  "emulated layer spec; build it with the Transformer Engine spec "
                                  "or set fp8.backend to 'torch' / 'emulated'")
             check_backend_supports(backend, recipe.granularity)
-        gemm = _Gemm(mode, recipe if mode == "fp8" else None, states, backend)
+        gemm = _Gemm(mode, recipe if mode == "fp8" else None, states, backend, self.weight_cache)
         if allreduce_dgrad and tp_group is None:
             from megatron.core.parallel_state import get_tensor_model_parallel_group
 

@@ -33,7 +33,9 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         local_v = x.shape[-1]
         col = torch.arange(vocab_start, vocab_start + local_v, device=x.device)
         valid_col = col < true_vocab_size  # TP padding columns are not tokens
-        x = x.masked_fill(~valid_col, float("-inf"))
+        all_valid = bool(valid_col.all())  # the common case: no mask passes over [.., V]
+        if not all_valid:
+            x = x.masked_fill(~valid_col, float("-inf"))
         world = _group_size(group)
 
         m = x.max(dim=-1).values
@@ -41,8 +43,12 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         # work with shifted logits x - m (<= 0): the max cancels exactly, which keeps the
         # entropy log Z - E[x] free of the cancellation error of large logits
-        shifted = torch.where(valid_col, x - m.unsqueeze(-1), torch.zeros_like(x))
-        e = torch.where(valid_col, torch.exp(shifted), torch.zeros_like(x))
+        shifted = x - m.unsqueeze(-1)
+        if all_valid:
+            e = torch.exp(shifted)
+        else:
+            shifted = torch.where(valid_col, shifted, 0.0)
+            e = torch.where(valid_col, torch.exp(shifted), 0.0)
         in_shard = (targets >= vocab_start) & (targets < vocab_start + local_v)
         local_idx = (targets - vocab_start).clamp(0, local_v - 1)
         target_logit = torch.gather(shifted, -1, local_idx.unsqueeze(-1)).squeeze(-1)
@@ -58,22 +64,27 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         log_z = m + log_sum_e
         mean_x = m + mean_shifted
         ctx.save_for_backward(x, log_z, mean_x, local_idx, in_shard, valid_col)
-        ctx.input_dtype = logits.dtype
+        ctx.input_dtype, ctx.all_valid = logits.dtype, all_valid
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         x, log_z, mean_x, local_idx, in_shard, valid_col = ctx.saved_tensors
         p = torch.exp(x - log_z.unsqueeze(-1))  # 0 on padding columns
-        grad = torch.zeros_like(x)
+        grad = None  # 0 - a - b, as rsub (no zero tensor), same rounding and signs of zero
         if grad_entropy is not None:
-            centered = torch.where(valid_col, x - mean_x.unsqueeze(-1), torch.zeros_like(x))
-            grad = grad - grad_entropy.unsqueeze(-1) * p * centered
+            centered = x - mean_x.unsqueeze(-1)
+            if not ctx.all_valid:
+                centered = torch.where(valid_col, centered, 0.0)
+            grad = torch.rsub(grad_entropy.unsqueeze(-1) * p * centered, 0.0)
         if grad_logp is not None:
-            grad = grad - grad_logp.unsqueeze(-1) * p
+            term = grad_logp.unsqueeze(-1) * p
+            grad = torch.rsub(term, 0.0) if grad is None else grad - term
             onehot = torch.zeros_like(x)
             onehot.scatter_(-1, local_idx.unsqueeze(-1), in_shard.unsqueeze(-1).to(x.dtype))
             grad = grad + grad_logp.unsqueeze(-1) * onehot
+        if grad is None:
+            grad = torch.zeros_like(x)
         return grad.to(ctx.input_dtype), None, None, None, None
 
 

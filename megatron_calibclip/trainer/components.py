@@ -3,7 +3,7 @@ models, FP8, rollout, data, rewards, optimizer and calibration)."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -21,7 +21,6 @@ from megatron_calibclip.calibration import CalibratedClipper
 from megatron_calibclip.config import ConfigError
 from megatron_calibclip.data import (
     PromptDataset,
-    PromptTemplate,
     SkipCounter,
     load_tokenizer,
     read_jsonl,
@@ -61,6 +60,7 @@ class Components:
     dp_size: int
     dp_group: Any
     run_dir: Path
+    heldout: list = field(default_factory=list)  # held-out prompts (evaluation.every > 0)
 
     def trainer_precision(self):
         """Context manager: the policy in the trainer precision."""
@@ -150,9 +150,15 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is "
                           f"{model_cfg.vocab_size}")
-    dataset = PromptDataset(records, tokenizer, template=PromptTemplate(text=cfg.data.template),
+    dataset = PromptDataset(records, tokenizer, template=cfg.data.prompt_template(),
                             max_prompt_tokens=cfg.data.max_prompt_tokens,
                             on_too_long=cfg.data.on_bad, seed=cfg.run.seed, skips=skips)
+
+    heldout = []
+    if cfg.evaluation.every:
+        from megatron_calibclip.trainer.evaluation import heldout_prompts
+
+        heldout = heldout_prompts(cfg, records, tokenizer)
 
     spec = emulated_layer_spec(model_cfg)
     policy = build_policy_model(model_cfg, spec=spec, seed=cfg.run.seed,
@@ -199,6 +205,7 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
         reference=reference, engine=engine, tokenizer=tokenizer, dataset=dataset, skips=skips,
         clipper=clipper, reward_fn=_reward_fn(cfg), dp_rank=ps.get_data_parallel_rank(),
         dp_size=dp_size, dp_group=ps.get_data_parallel_group(), run_dir=run_dir,
+        heldout=heldout,
     )
 
 

@@ -87,13 +87,23 @@ class DataSection:
     # tokenizer: a sentencepiece .model file, an HF folder, or "train:N" to train an N-piece
     # sentencepiece model on the prompts and answers (the tiny CPU demo)
     tokenizer: str = "train:512"
-    template: str = "Question: {prompt}\nAnswer:"  # plain prompt template ({prompt} required)
+    # a plain prompt template ({prompt} required), or "chat": the HF tokenizer's chat template
+    template: str = "Question: {prompt}\nAnswer:"
     max_prompt_tokens: int = 256  # longer prompts: error or counted skip (on_bad)
 
     def __post_init__(self) -> None:
         _need(self.size >= 1, "data.size", self.size, ">= 1")
         _need(self.max_prompt_tokens >= 1, "data.max_prompt_tokens", self.max_prompt_tokens, ">= 1")
-        _need("{prompt}" in self.template, "data.template", self.template, "a string containing {prompt}")
+        _need("{prompt}" in self.template or self.template == "chat", "data.template",
+              self.template, "a string containing {prompt}, or chat")
+
+    def prompt_template(self):
+        """The PromptTemplate this section describes."""
+        from megatron_calibclip.data.template import PromptTemplate
+
+        if self.template == "chat":
+            return PromptTemplate(kind="chat")
+        return PromptTemplate(text=self.template)
 
 
 @dataclass
@@ -177,6 +187,31 @@ class WarmupConfig:  # supervised warm-up (trainer/warmup.py)
 
 
 @dataclass
+class DiagnosticsSection:  # measurements that never change training
+    # BF16 shadow passes (phantom-clip rate, shadow clip fractions) every N steps, on top of
+    # the calibration steps that need them anyway; 0: calibration steps only. An experiment
+    # comparing arms sets 1: the counterfactual on every step, for fixed-clip arms too.
+    shadow_every: int = 0
+
+    def __post_init__(self) -> None:
+        _need(self.shadow_every >= 0, "diagnostics.shadow_every", self.shadow_every,
+              ">= 0 (0: calibration steps only)")
+
+
+@dataclass
+class EvaluationSection:  # held-out greedy accuracy (trainer/evaluation.py)
+    every: int = 0  # evaluate before steps 0, N, 2N, ... and after the last step (0: never)
+    size: int = 128  # held-out problems, none of them in the training data
+    max_new_tokens: Optional[int] = None  # None: rollout.sampling.max_new_tokens
+
+    def __post_init__(self) -> None:
+        _need(self.every >= 0, "evaluation.every", self.every, ">= 0 (0: never)")
+        _need(self.size >= 1, "evaluation.size", self.size, ">= 1")
+        _need(self.max_new_tokens is None or self.max_new_tokens >= 1,
+              "evaluation.max_new_tokens", self.max_new_tokens, ">= 1 or null")
+
+
+@dataclass
 class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelSection = field(default_factory=ModelSection)
@@ -189,6 +224,8 @@ class TrainConfig:
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     reward: RewardSection = field(default_factory=RewardSection)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)  # supervised warm-up before RL
+    diagnostics: DiagnosticsSection = field(default_factory=DiagnosticsSection)
+    evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     precision: Precision = "fp8"  # precision of the trainer's forward/backward GEMMs
     fp8: FP8Recipe = field(default_factory=FP8Recipe)  # the trainer's FP8 recipe
 

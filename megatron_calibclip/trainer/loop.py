@@ -58,6 +58,21 @@ def _warmup(c: Components, cfg: TrainConfig, rank0: bool) -> None:
               f"{losses[-1]:.3f} ({time.perf_counter() - t:.1f}s)")
 
 
+def _evaluation(c: Components, step: int, *, before: bool) -> dict[str, float]:
+    """Held-out greedy accuracy before steps 0, N, 2N, ... (eval/*) and after the last step
+    (eval_final/*), when evaluation.every = N > 0."""
+    every = c.cfg.evaluation.every
+    if not every:
+        return {}
+    from megatron_calibclip.trainer.evaluation import evaluate
+
+    if before:
+        return evaluate(c, updates=step) if step % every == 0 else {}
+    result = evaluate(c, updates=step + 1)
+    return {k.replace("eval/", "eval_final/").replace("time/eval", "time/eval_final"): v
+            for k, v in result.items()}
+
+
 def run_dir_for(cfg: TrainConfig) -> Path:
     return Path(cfg.run.output_dir) / cfg.run.name
 
@@ -130,14 +145,17 @@ def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
         t0 = time.perf_counter()
         try:
             for step in range(start_step, cfg.run.steps):
+                last = step == cfg.run.steps - 1
                 t = time.perf_counter()
+                before = _evaluation(c, step, before=True)
                 metrics = train_step(c, step)
+                metrics.update(before)
+                metrics.update(_evaluation(c, step, before=False) if last else {})
                 metrics["time/step"] = time.perf_counter() - t
                 if c.skips.total:
                     metrics["data/skipped"] = float(c.skips.total)
                 logger.log(step, metrics)
                 records.append(metrics)
-                last = step == cfg.run.steps - 1
                 every = cfg.run.save_every
                 if preempt.should_stop():  # collective: every rank stops after this step
                     if checkpointer is not None:

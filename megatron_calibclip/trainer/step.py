@@ -2,9 +2,10 @@
 
 prompts -> rollout (rollout precision, keeps rollout log-probs) -> rewards -> advantages
 -> [DAPO: dynamic sampling] -> reference and old log-probs (old: trainer precision, its own
-micro-batch size) -> on a calibration step: BF16 shadow of pi_old -> per mini-batch:
-[calibration: BF16 shadow of pi_theta, no grad] -> loss with [L, H], TIS, KL -> optimizer
-step -> [calibration: histograms of FP8 vs shadow log-ratios] -> metrics.
+micro-batch size) -> on a calibration step (and every diagnostics.shadow_every steps): BF16
+shadow of pi_old -> per mini-batch: [shadow step: BF16 shadow of pi_theta, no grad] -> loss
+with [L, H], TIS, KL -> optimizer step -> [calibration: histograms of FP8 vs shadow
+log-ratios] -> metrics.
 
 Every rank of a model replica (TP x PP) holds the same batch; data-parallel replicas hold
 different prompts, and every count, normaliser and histogram is pooled over the DP group.
@@ -30,6 +31,7 @@ from megatron_calibclip.rl import (
 )
 from megatron_calibclip.rl.diagnostics import FRACTIONS, merge_counts, merge_extrema
 from megatron_calibclip.rollout import RolloutBatch
+from megatron_calibclip.fp8.weight_cache import invalidate_weight_caches
 from megatron_calibclip.trainer.components import Components
 from megatron_calibclip.trainer.forward import (
     broadcast_from_last_stage,
@@ -216,10 +218,13 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
         with reference_on_device(c):
             ref_lp, _ = compute_logprobs(c.reference, b.tokens, attn, **lp_kw)
     shadow_old = None
-    if calibrating:
+    every = cfg.diagnostics.shadow_every
+    shadowing = calibrating or bool(every and step % every == 0)  # diagnostics: same passes
+    if shadowing:
         with timer("shadow"):
             with c.shadow_precision():
                 shadow_old, _ = compute_logprobs(c.ddp, b.tokens, attn, **lp_kw)
+    if calibrating:
         acc = c.clipper.new_accumulator()
 
     # ---- mini-batch updates ------------------------------------------------------------
@@ -243,7 +248,7 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
                    "old_lp": old_lp[idx], "ref_lp": ref_lp[idx],
                    "rollout_lp": b.rollout_logprobs[idx],
                    "adv": data.advantages[idx].unsqueeze(1).expand_as(mask).contiguous()}
-        if calibrating:
+        if shadowing:
             with timer("shadow"):
                 with c.shadow_precision():
                     shadow_theta, _ = compute_logprobs(c.ddp, b.tokens[idx], attn[idx], **lp_kw)
@@ -276,6 +281,7 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
                 outs = run_schedule(c.ddp, mbs, loss_fn, forward_only=False,
                                     seq_length=b.tokens.shape[1])
             ok, grad_norm, _ = c.optimizer.step()
+            invalidate_weight_caches(c.policy)  # the distributed optimizer writes via .data
         grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
         # per-token FP8 log-probs of this update's forward, on every stage of the replica
         shape = (len(mbs) * mbs[0]["tokens"].shape[0], b.tokens.shape[1] - 1)

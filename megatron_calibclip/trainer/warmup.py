@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_calibclip.fp8.weight_cache import invalidate_weight_caches
 from megatron_calibclip.trainer.components import Components
 from megatron_calibclip.trainer.config import WarmupConfig
 from megatron_calibclip.trainer.forward import run_schedule, split_micro_batches, token_logprobs
@@ -72,6 +73,7 @@ def run_warmup(c: Components, cfg: WarmupConfig, log=None) -> list[float]:
                 outs = run_schedule(c.ddp, mbs, loss_fn, forward_only=False,
                                     seq_length=tokens.shape[1])
             c.optimizer.step()
+            invalidate_weight_caches(c.policy)  # the distributed optimizer writes via .data
             local = torch.tensor([float(sum(o["loss"] for o in outs)) if outs else 0.0])
             dist.all_reduce(local, group=c.dp_group)
             losses.append(float(local))

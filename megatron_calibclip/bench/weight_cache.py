@@ -1,0 +1,136 @@
+"""`calibclip bench weight-cache`: RL step phases with and without the weight-operand cache.
+
+Why one run: the same steps from the same weights and seeds, first re-quantizing every
+weight at every forward (policy "off", the reference), then with the cache (fp8/
+weight_cache.py), on the same machine in the same process, so the ratio is a measurement and
+not a comparison of two runs. The two arms must agree bit for bit: every logged metric
+(timings aside) and every parameter after the last step; the JSON says whether they do.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PHASES = ("rollout", "reward", "logprobs", "shadow", "update", "calibration")
+ARMS = ("off", "on")
+
+
+def add_weight_cache_parser(sub) -> None:
+    p = sub.add_parser("weight-cache", help="step phases with the weight cache off vs on, "
+                                            "and whether the results are bit-identical")
+    p.add_argument("--config", default="tiny-cpu", help="YAML file or bundled config name")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override")
+    p.add_argument("--steps", type=int, default=2, help="RL steps per arm (>= 1)")
+    p.add_argument("--json", action="store_true", help="print only the JSON object")
+    p.set_defaults(func=run_weight_cache)
+
+
+def _arm(cfg, steps: int) -> tuple[list[dict], list]:
+    """Run `steps` RL steps from freshly built components; (metrics per step, parameters)."""
+    from megatron_calibclip.trainer.components import build_components
+    from megatron_calibclip.trainer.step import train_step
+
+    with tempfile.TemporaryDirectory() as tmp:
+        c = build_components(cfg, Path(tmp))
+        records = []
+        for i in range(steps):
+            t = time.perf_counter()
+            m = train_step(c, i)
+            m["time/step"] = time.perf_counter() - t
+            records.append(m)
+        params = [p.detach().clone() for p in c.policy.parameters()]
+        del c
+        gc.collect()
+    return records, params
+
+
+def _values(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith("time/")}
+
+
+def _same(a, b) -> bool:
+    """Equal, counting NaN == NaN (a metric that is NaN in both arms agrees)."""
+    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
+
+
+def _phase_means(records: list[dict]) -> dict[str, float]:
+    out = {p: statistics.fmean(r.get(f"time/{p}", 0.0) for r in records) for p in PHASES}
+    out["step"] = statistics.fmean(r["time/step"] for r in records)
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def compare_arms(results: dict[str, tuple[list[dict], list]]) -> dict:
+    """Side-by-side phases, speed-up per phase and the bit-identity verdict."""
+    import torch
+    import torch.distributed as dist
+
+    (off_rec, off_par), (on_rec, on_par) = results["off"], results["on"]
+    differing = sorted({k for a, b in zip(off_rec, on_rec)
+                        for k in set(_values(a)) | set(_values(b))
+                        if not _same(_values(a).get(k), _values(b).get(k))})
+    params_equal = len(off_par) == len(on_par) and all(
+        a.shape == b.shape and a.dtype == b.dtype
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        for a, b in zip(off_par, on_par))  # bit patterns: -0.0 and NaNs count too
+    flag = torch.tensor([1.0 if params_equal else 0.0])
+    if dist.is_initialized():  # every rank's shard
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    params_equal = bool(flag.item() == 1.0)
+    off, on = _phase_means(off_rec), _phase_means(on_rec)
+    speedup = {k: round(off[k] / on[k], 2) for k in off if on[k] > 0 and off[k] > 0}
+    return {"phases_off": off, "phases_on": on, "speedup": speedup,
+            "per_step_seconds": {"off": [round(r["time/step"], 2) for r in off_rec],
+                                 "on": [round(r["time/step"], 2) for r in on_rec]},
+            "bit_identical": not differing and params_equal,
+            "metrics_differing": differing, "parameters_equal": params_equal}
+
+
+def run_weight_cache(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from megatron_calibclip.config import ConfigError
+    from megatron_calibclip.fp8.weight_cache import set_weight_cache_policy
+    from megatron_calibclip.parallel import ParallelLayout, initialize_distributed, teardown
+    from megatron_calibclip.trainer.config import load_train_config
+
+    if args.steps < 1:
+        print("calibclip bench weight-cache: --steps must be >= 1", file=sys.stderr)
+        return 2
+    overrides = list(args.set or []) + ["run.progress=false", "run.tensorboard=false",
+                                        "run.plot=false", "warmup.steps=0"]
+    if "WORLD_SIZE" not in os.environ and "SLURM_NTASKS" not in os.environ:
+        overrides += ["parallel.tp=1", "parallel.pp=1"]  # a single process
+    try:
+        cfg = load_train_config(args.config, overrides)
+    except ConfigError as err:
+        print(f"calibclip bench weight-cache: invalid configuration: {err}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    initialize_distributed(ParallelLayout(cfg.parallel.tp, cfg.parallel.pp), seed=cfg.run.seed)
+    try:
+        results = {}
+        for arm in ARMS:
+            set_weight_cache_policy(arm)
+            results[arm] = _arm(cfg, args.steps)
+        set_weight_cache_policy(None)
+        a = cfg.algorithm
+        result = {"benchmark": "weight-cache", "config": args.config,
+                  "overrides": list(args.set or []), "world_size": dist.get_world_size(),
+                  "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "steps": args.steps,
+                  "sequences_per_step": a.prompts_per_step * a.group_size,
+                  "mini_batches": a.mini_batches, "precision": cfg.precision,
+                  "fp8": cfg.fp8.granularity, **compare_arms(results),
+                  "wall_seconds": round(time.perf_counter() - t0, 1)}
+        if dist.get_rank() == 0:
+            print(json.dumps(result, indent=None if args.json else 2))
+    finally:
+        set_weight_cache_policy(None)
+        teardown()
+    return 0 if result["bit_identical"] else 1

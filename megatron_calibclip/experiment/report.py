@@ -1,0 +1,183 @@
+"""`calibclip experiment report`: the arms overlaid in one figure, and a table per arm.
+
+Reads only the committed `<arm>/metrics.jsonl` files, so the figure and the table regenerate
+anywhere with one command. The table goes between two marker lines of the document
+(`--doc`), leaving the hand-written reading around it untouched.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Optional
+
+from megatron_calibclip.trainer.metrics import read_metrics
+
+BEGIN, END = "<!-- reproduction-table:begin -->", "<!-- reproduction-table:end -->"
+WINDOW = 20  # first / last steps averaged in the table
+SMOOTH = 5  # rolling mean drawn over the raw per-step values
+
+PANELS = [  # (title, [(key, label suffix)], y-label)
+    ("entropy (mean over response tokens)", [("loss/entropy_mean", "")], "nats"),
+    ("training reward (sampled)", [("reward_mean", "")], "mean reward"),
+    ("held-out greedy accuracy", [], "accuracy"),
+    ("clipped, A<0 (trainer)", [("loss/clipfrac_lower", "")], "fraction of A<0 tokens"),
+    ("phantom clips, A<0 (vs BF16 shadow)", [("loss/phantom_clipfrac", "")],
+     "fraction of A<0 tokens"),
+    ("clip bounds in force", [("clip/lower", " L"), ("clip/upper", " H")], "ratio"),
+]
+
+
+def load_arms(folder: Path) -> dict[str, list[dict]]:
+    """{arm: records} for every <folder>/<arm>/metrics.jsonl, in name order."""
+    arms = {}
+    for path in sorted(Path(folder).glob("*/metrics.jsonl")):
+        records = [r for r in read_metrics(path) if "step" in r]
+        if records:
+            arms[path.parent.name] = sorted(records, key=lambda r: r["step"])
+    return arms
+
+
+def _values(records: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], float(r[key])) for r in records
+            if isinstance(r.get(key), (int, float)) and math.isfinite(float(r[key]))]
+
+
+def _mean(pairs: list[tuple[int, float]]) -> Optional[float]:
+    return sum(v for _, v in pairs) / len(pairs) if pairs else None
+
+
+def heldout(records: list[dict]) -> list[tuple[float, float]]:
+    """(updates applied, held-out accuracy) of every evaluation, the final one included."""
+    points = [(float(r["eval/updates"]), float(r["eval/accuracy"])) for r in records
+              if r.get("eval/accuracy") is not None]
+    points += [(float(r["eval_final/updates"]), float(r["eval_final/accuracy"])) for r in records
+               if r.get("eval_final/accuracy") is not None]
+    return sorted(points)
+
+
+def arm_summary(records: list[dict], window: int = WINDOW) -> dict[str, Optional[float]]:
+    """First/last-`window`-step means of the key series, peak entropy, held-out accuracy."""
+    out: dict[str, Optional[float]] = {"steps": float(len(records))}
+    for key, name in (("reward_mean", "reward"), ("loss/entropy_mean", "entropy"),
+                      ("loss/clipfrac_lower", "clip_neg"), ("loss/phantom_clipfrac", "phantom"),
+                      ("loss/mult_prob_error", "mult_err"), ("loss/kl_mean", "kl"),
+                      ("response_length_mean", "length")):
+        series = _values(records, key)
+        out[f"{name}_first"] = _mean(series[:window])
+        out[f"{name}_last"] = _mean(series[-window:])
+    ent = _values(records, "loss/entropy_mean")
+    peak = max(ent, key=lambda p: p[1]) if ent else None
+    out["entropy_peak"], out["entropy_peak_step"] = (peak[1], float(peak[0])) if peak else (None, None)
+    points = heldout(records)
+    out["heldout_start"] = points[0][1] if points else None
+    out["heldout_end"] = points[-1][1] if points else None
+    out["heldout_end_updates"] = points[-1][0] if points else None
+    return out
+
+
+def _fmt(v: Optional[float], digits: int = 3) -> str:
+    return "n/a" if v is None else f"{v:.{digits}f}"
+
+
+def summary_table(arms: dict[str, list[dict]], window: int = WINDOW) -> str:
+    """Markdown: one row per arm (first -> last `window`-step means)."""
+    head = ("| arm | steps | reward | entropy | peak entropy (step) | clipped A<0 | phantom A<0 "
+            "| mult. prob. error | KL to ref | held-out acc. start -> end |")
+    rows = [head, "|" + "---|" * 10]
+    for arm, records in arms.items():
+        s = arm_summary(records, window)
+
+        def pair(name: str, digits: int = 3) -> str:
+            return f"{_fmt(s[f'{name}_first'], digits)} -> {_fmt(s[f'{name}_last'], digits)}"
+
+        peak = (f"{_fmt(s['entropy_peak'])} ({int(s['entropy_peak_step'])})"
+                if s["entropy_peak"] is not None else "n/a")
+        acc = f"{_fmt(s['heldout_start'])} -> {_fmt(s['heldout_end'])}"
+        if s["heldout_end_updates"] is not None:
+            acc += f" (after {int(s['heldout_end_updates'])})"
+        rows.append(f"| {arm} | {int(s['steps'])} | {pair('reward')} | {pair('entropy')} | {peak} "
+                    f"| {pair('clip_neg')} | {pair('phantom')} | {pair('mult_err', 4)} "
+                    f"| {pair('kl', 5)} | {acc} |")
+    return "\n".join(rows) + (f"\n\nFirst -> last {window}-step means; held-out accuracy "
+                              f"before the first and after the last update.")
+
+
+def _rolling(ys: list[float], n: int) -> list[float]:
+    return [sum(ys[max(0, i - n + 1): i + 1]) / len(ys[max(0, i - n + 1): i + 1])
+            for i in range(len(ys))]
+
+
+def plot_arms(arms: dict[str, list[dict]], out_png: Path, title: str = "") -> Path:
+    """The panels of PANELS with every arm overlaid (thin: per step; bold: rolling mean)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5), sharex=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for (panel_title, keys, ylabel), ax in zip(PANELS, axes.flat):
+        for i, (arm, records) in enumerate(arms.items()):
+            color = colors[i % len(colors)]
+            if not keys:  # held-out accuracy: points at the evaluations
+                pts = heldout(records)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", color=color, label=arm)
+                continue
+            for key, suffix in keys:
+                pts = _values(records, key)
+                if not pts:
+                    continue
+                xs, ys = zip(*pts)
+                style = "--" if suffix.strip() == "H" else "-"
+                ax.plot(xs, ys, style, color=color, alpha=0.25, lw=0.8)
+                ax.plot(xs, _rolling(list(ys), SMOOTH), style, color=color, lw=1.8,
+                        label=f"{arm}{suffix}")
+        ax.set_title(panel_title)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel("RL step (held-out: updates applied)")
+    fig.suptitle(title or f"arms overlaid; bold: {SMOOTH}-step rolling mean")
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=90)
+    plt.close(fig)
+    return out_png
+
+
+def write_table(doc: Path, table: str) -> bool:
+    """Replace the text between the marker lines of `doc`; False if the markers are absent."""
+    text = doc.read_text(encoding="utf-8")
+    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
+        return False
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    doc.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}", encoding="utf-8")
+    return True
+
+
+def run_report(args: argparse.Namespace) -> int:
+    folder = Path(args.metrics_dir or Path(args.experiment).parent)
+    arms = load_arms(folder)
+    if not arms:
+        print(f"calibclip experiment report: no <arm>/metrics.jsonl under {folder}",
+              file=sys.stderr)
+        return 2
+    png = plot_arms(arms, Path(args.figure))
+    table = summary_table(arms)
+    print(table)
+    print(f"figure: {png}")
+    if args.doc:
+        doc = Path(args.doc)
+        if not doc.exists() or not write_table(doc, table):
+            print(f"calibclip experiment report: {doc} has no {BEGIN} ... {END} lines; table "
+                  f"printed only", file=sys.stderr)
+            return 2
+        print(f"table: {doc}")
+    return 0

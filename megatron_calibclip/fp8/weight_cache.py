@@ -1,0 +1,169 @@
+"""The weight operands of an emulated linear, kept until its master weight changes.
+
+Why: a rollout decodes one token at a time, and re-quantizing every weight at every forward
+made weight quantization the largest cost of a SmolLM2 step on CPU. Transformer Engine
+caches FP8 weights between micro-batches the same way (`is_first_microbatch`), and a
+rollout engine holds quantized weights between weight syncs: the values a GEMM reads are
+the same, only computed once.
+
+An entry is valid while all of these hold: the same weight storage (`data_ptr`) at the same
+version counter (in-place writes, the optimizer's and `load_state_dict`'s `copy_`, bump
+it), the same weight epoch (`invalidate_weight_caches` bumps it, for writes that go
+through `.data`, which bypass the version counter), the same mode, recipe and backend, and
+under delayed scaling the same scale (the amax history moves the scale; a hit re-records
+the cached amax so the history advances exactly as a re-quantization would).
+
+Policy, process-wide (`CALIBCLIP_WEIGHT_CACHE` or `set_weight_cache_policy`): "on"
+(default), "off" (re-quantize at every forward, the reference), "verify" (use the cache and
+recompute beside it at every forward; a difference raises StaleWeightCacheError: what
+tests run to prove no write path was missed).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megatron_calibclip.fp8.delayed import AmaxHistory
+from megatron_calibclip.fp8.formats import round_to_bf16
+from megatron_calibclip.fp8.quantize import Quantized, quantize, quantize_dequantize, same_both_ways
+from megatron_calibclip.fp8.recipe import FP8Recipe
+
+POLICIES = ("on", "off", "verify")
+_ENV = "CALIBCLIP_WEIGHT_CACHE"
+_policy: Optional[str] = None
+
+
+class StaleWeightCacheError(RuntimeError):
+    """The cached weight operands differ from a fresh quantization (verify policy): some
+    code changed a weight without bumping its version or calling invalidate_weight_caches."""
+
+
+def weight_cache_policy() -> str:
+    """The policy in force: set_weight_cache_policy's, else $CALIBCLIP_WEIGHT_CACHE, else on."""
+    if _policy is not None:
+        return _policy
+    value = os.environ.get(_ENV, "on").strip().lower() or "on"
+    if value not in POLICIES:
+        raise ValueError(f"{_ENV}={value!r} is not one of {list(POLICIES)}")
+    return value
+
+
+def set_weight_cache_policy(policy: Optional[str]) -> None:
+    """Override the policy for this process (None: back to the environment's)."""
+    global _policy
+    if policy is not None and policy not in POLICIES:
+        raise ValueError(f"weight cache policy {policy!r} is not one of {list(POLICIES)}")
+    _policy = policy
+
+
+_epoch = 0
+
+
+def invalidate_weight_caches(model: Optional[torch.nn.Module] = None) -> None:
+    """Drop the cached weight operands of `model`'s linears (of every model if None), after
+    writing weights through `.data` (megatron's distributed optimizer copies its updated
+    main params into the model that way)."""
+    global _epoch
+    if model is None:
+        _epoch += 1
+        return
+    for m in model.modules():
+        cache = getattr(m, "weight_cache", None)
+        if isinstance(cache, WeightCache):
+            cache.clear()
+
+
+def _source(weight: torch.Tensor, recipe: Optional[FP8Recipe]) -> torch.Tensor:
+    """What the weight quantizer (or the BF16 GEMM) reads: the bf16 copy or the fp32 master."""
+    w = weight.detach().float()
+    return round_to_bf16(w) if recipe is None or recipe.weight_source == "bf16" else w
+
+
+@dataclass
+class WeightOperands:
+    """The weight as one forward's GEMMs read it (bf16: the bf16 copy; fp8: the codes)."""
+
+    weight: torch.Tensor  # the master (to rebuild the transposed copy lazily)
+    recipe: Optional[FP8Recipe]  # None in bf16 mode
+    forward_copy: torch.Tensor  # fp32 values the forward GEMM multiplies with
+    quantized: Optional[Quantized] = None  # fp8: codes + scales (the torch backend's input)
+    amax: Optional[torch.Tensor] = None  # delayed: re-recorded at every hit
+    scale: Optional[torch.Tensor] = None  # delayed: the scale these codes were made with
+    _dgrad: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def dgrad_copy(self) -> torch.Tensor:
+        """The weight as the dgrad GEMM reads it (quantized along the output dim)."""
+        if self._dgrad is None:
+            if self.recipe is None or same_both_ways(self.recipe, "weight"):
+                self._dgrad = self.forward_copy
+            else:
+                w = _source(self.weight, self.recipe)
+                self._dgrad = quantize_dequantize(w, self.recipe, "weight", axis=0)
+        return self._dgrad
+
+
+def _build(weight: torch.Tensor, recipe: Optional[FP8Recipe],
+           state: Optional[AmaxHistory]) -> WeightOperands:
+    w = _source(weight, recipe)
+    if recipe is None:  # bf16 GEMM
+        return WeightOperands(weight, None, w)
+    scale = amax = None
+    if state is not None:
+        scale, amax = state.scale.clone(), w.abs().amax()
+    q = quantize(w, recipe, "weight", axis=-1, state=state)
+    return WeightOperands(weight, recipe, q.dequantize(w.dtype), q, amax, scale)
+
+
+def _same(a: WeightOperands, b: WeightOperands) -> bool:
+    if not torch.equal(a.forward_copy, b.forward_copy):
+        return False
+    if (a.quantized is None) != (b.quantized is None):
+        return False
+    if a.quantized is None:
+        return True
+    return torch.equal(a.quantized.data.view(torch.uint8), b.quantized.data.view(torch.uint8)) \
+        and torch.equal(a.quantized.scale_inv, b.quantized.scale_inv)
+
+
+class WeightCache:
+    """One linear's cache: a single entry, replaced when its key no longer matches."""
+
+    def __init__(self) -> None:
+        self._key: Optional[tuple] = None
+        self._entry: Optional[WeightOperands] = None
+        self.builds = 0  # how many times the operands were computed (tests, benchmarks)
+
+    def clear(self) -> None:
+        self._key, self._entry = None, None
+
+    def operands(self, weight: torch.Tensor, recipe: Optional[FP8Recipe],
+                 state: Optional[AmaxHistory] = None) -> WeightOperands:
+        """This forward's weight operands; `recipe` None means a BF16 GEMM. Under delayed
+        scaling `state` advances exactly once, as one quantization would advance it."""
+        policy = weight_cache_policy()
+        if policy == "off":
+            self.clear()
+            self.builds += 1
+            return _build(weight, recipe, state)
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype,
+               weight.device, _epoch, recipe)
+        entry = self._entry
+        hit = entry is not None and self._key == key and (
+            state is None or torch.equal(state.scale.to(entry.scale.device), entry.scale))
+        if not hit:
+            self.builds += 1
+            self._key, self._entry = key, _build(weight, recipe, state)
+            return self._entry
+        if policy == "verify":
+            fresh = _build(weight, recipe, state.snapshot() if state is not None else None)
+            if not _same(fresh, entry):
+                raise StaleWeightCacheError(
+                    f"cached weight operands of a {tuple(weight.shape)} weight differ from a "
+                    "fresh quantization: the weight was changed without bumping its version "
+                    "counter; call fp8.weight_cache.invalidate_weight_caches() after such writes")
+        if state is not None:
+            state.record(entry.amax)  # the history advances as a re-quantization's would
+        return entry
