@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -53,20 +51,12 @@ def _overhead(records: list[dict]) -> float:
 def run_step(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from megatron_calibclip.config import ConfigError
+    from megatron_calibclip.bench.config import load_bench_config
     from megatron_calibclip.parallel import ParallelLayout, initialize_distributed, teardown
     from megatron_calibclip.trainer.components import build_components
-    from megatron_calibclip.trainer.config import load_train_config
 
-    overrides = list(args.set or []) + ["run.progress=false", "run.tensorboard=false",
-                                        "run.plot=false", "warmup.steps=0",
-                                        "clipping.mode=calibrated"]
-    if "WORLD_SIZE" not in os.environ and "SLURM_NTASKS" not in os.environ:
-        overrides += ["parallel.tp=1", "parallel.pp=1"]  # a single process
-    try:
-        cfg = load_train_config(args.config, overrides)
-    except ConfigError as err:
-        print(f"calibclip bench step: invalid configuration: {err}", file=sys.stderr)
+    cfg = load_bench_config(args, "step", ["clipping.mode=calibrated"])
+    if cfg is None:
         return 2
     t0 = time.perf_counter()
     initialize_distributed(ParallelLayout(cfg.parallel.tp, cfg.parallel.pp), seed=cfg.run.seed)

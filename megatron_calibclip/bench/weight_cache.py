@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -95,22 +94,15 @@ def compare_arms(results: dict[str, tuple[list[dict], list]]) -> dict:
 def run_weight_cache(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from megatron_calibclip.config import ConfigError
+    from megatron_calibclip.bench.config import load_bench_config
     from megatron_calibclip.fp8.weight_cache import set_weight_cache_policy
     from megatron_calibclip.parallel import ParallelLayout, initialize_distributed, teardown
-    from megatron_calibclip.trainer.config import load_train_config
 
     if args.steps < 1:
         print("calibclip bench weight-cache: --steps must be >= 1", file=sys.stderr)
         return 2
-    overrides = list(args.set or []) + ["run.progress=false", "run.tensorboard=false",
-                                        "run.plot=false", "warmup.steps=0"]
-    if "WORLD_SIZE" not in os.environ and "SLURM_NTASKS" not in os.environ:
-        overrides += ["parallel.tp=1", "parallel.pp=1"]  # a single process
-    try:
-        cfg = load_train_config(args.config, overrides)
-    except ConfigError as err:
-        print(f"calibclip bench weight-cache: invalid configuration: {err}", file=sys.stderr)
+    cfg = load_bench_config(args, "weight-cache")
+    if cfg is None:
         return 2
     t0 = time.perf_counter()
     initialize_distributed(ParallelLayout(cfg.parallel.tp, cfg.parallel.pp), seed=cfg.run.seed)
