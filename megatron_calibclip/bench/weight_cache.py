@@ -71,9 +71,9 @@ def compare_arms(results: dict[str, tuple[list[dict], list]]) -> dict:
     import torch.distributed as dist
 
     (off_rec, off_par), (on_rec, on_par) = results["off"], results["on"]
-    differing = sorted({k for a, b in zip(off_rec, on_rec)
-                        for k in set(_values(a)) | set(_values(b))
-                        if not _same(_values(a).get(k), _values(b).get(k))})
+    pairs = [(_values(a), _values(b)) for a, b in zip(off_rec, on_rec)]
+    differing = sorted({k for va, vb in pairs for k in va.keys() | vb.keys()
+                        if not _same(va.get(k), vb.get(k))})
     params_equal = len(off_par) == len(on_par) and all(
         a.shape == b.shape and a.dtype == b.dtype
         and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

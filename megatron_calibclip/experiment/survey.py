@@ -10,28 +10,25 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+
+def _arithmetic(task: str, terms: tuple[int, int], digits: tuple[int, int]) -> dict[str, Any]:
+    return {"task": task, "task_config": {"min_terms": terms[0], "max_terms": terms[1],
+                                          "min_digits": digits[0], "max_digits": digits[1]}}
+
+
 CANDIDATES: dict[str, dict[str, Any]] = {
-    "chain_sum-1d-2t": {"task": "chain_sum",
-                        "task_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1,
-                                        "max_digits": 1}},
-    "chain_sum-1d-2to3t": {"task": "chain_sum",
-                           "task_config": {"min_terms": 2, "max_terms": 3, "min_digits": 1,
-                                           "max_digits": 1}},
-    "chain_sum-1to2d-2t": {"task": "chain_sum",
-                           "task_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1,
-                                           "max_digits": 2}},
-    "chain_sum-2d-2t": {"task": "chain_sum",
-                        "task_config": {"min_terms": 2, "max_terms": 2, "min_digits": 2,
-                                        "max_digits": 2}},
-    "products-1d": {"task": "products",
-                    "task_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1,
-                                    "max_digits": 1}},
+    "chain_sum-1d-2t": _arithmetic("chain_sum", (2, 2), (1, 1)),
+    "chain_sum-1d-2to3t": _arithmetic("chain_sum", (2, 3), (1, 1)),
+    "chain_sum-1to2d-2t": _arithmetic("chain_sum", (2, 2), (1, 2)),
+    "chain_sum-2d-2t": _arithmetic("chain_sum", (2, 2), (2, 2)),
+    "products-1d": _arithmetic("products", (2, 2), (1, 1)),
 }
 
 
@@ -40,8 +37,6 @@ def survey_task(cfg, problems: int, group_size: int) -> dict[str, float]:
     groups with mixed rewards over `problems` // group_size prompts x group_size samples."""
     from megatron_calibclip.trainer.components import build_components
     from megatron_calibclip.trainer.evaluation import evaluate
-
-    import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         c = build_components(cfg, Path(tmp))

@@ -47,9 +47,10 @@ def heldout_prompts(cfg, train_records: Sequence[PromptRecord], tokenizer) -> li
     return dataset.items
 
 
-def evaluate(c, updates: int) -> dict[str, float]:
+def evaluate(c, updates: int, prefix: str = "eval") -> dict[str, float]:
     """Collective over all ranks: greedy accuracy of the policy on the held-out problems,
-    split over data-parallel ranks; `updates` = RL steps already applied (the x of a plot)."""
+    split over data-parallel ranks; `updates` = RL steps already applied (the x of a plot).
+    Keys are `{prefix}/...` and `time/{prefix}`."""
     t = time.perf_counter()
     cfg = c.cfg
     mine = c.heldout[c.dp_rank::c.dp_size]
@@ -69,6 +70,7 @@ def evaluate(c, updates: int) -> dict[str, float]:
     vec = torch.tensor([correct, reward, length, float(len(mine))], dtype=torch.float64)
     dist.all_reduce(vec, group=c.dp_group)
     n = max(float(vec[3]), 1.0)
-    return {"eval/accuracy": float(vec[0]) / n, "eval/reward_mean": float(vec[1]) / n,
-            "eval/response_length_mean": float(vec[2]) / n, "eval/problems": float(vec[3]),
-            "eval/updates": float(updates), "time/eval": time.perf_counter() - t}
+    return {f"{prefix}/accuracy": float(vec[0]) / n, f"{prefix}/reward_mean": float(vec[1]) / n,
+            f"{prefix}/response_length_mean": float(vec[2]) / n,
+            f"{prefix}/problems": float(vec[3]), f"{prefix}/updates": float(updates),
+            f"time/{prefix}": time.perf_counter() - t}

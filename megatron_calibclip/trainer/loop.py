@@ -68,9 +68,7 @@ def _evaluation(c: Components, step: int, *, before: bool) -> dict[str, float]:
 
     if before:
         return evaluate(c, updates=step) if step % every == 0 else {}
-    result = evaluate(c, updates=step + 1)
-    return {k.replace("eval/", "eval_final/").replace("time/eval", "time/eval_final"): v
-            for k, v in result.items()}
+    return evaluate(c, updates=step + 1, prefix="eval_final")
 
 
 def run_dir_for(cfg: TrainConfig) -> Path:
