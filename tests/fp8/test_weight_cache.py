@@ -173,3 +173,13 @@ def test_policy_comes_from_the_environment(monkeypatch):
         weight_cache_policy()
     with pytest.raises(ValueError, match="policy"):
         set_weight_cache_policy("never")
+
+
+def test_a_bad_policy_in_the_environment_is_one_line(monkeypatch, capsys, tmp_path):
+    from megatron_calibclip.cli import main
+
+    monkeypatch.setenv("CALIBCLIP_WEIGHT_CACHE", "sometimes")
+    assert main(["train", "--config", "tiny-cpu", "--set", f"run.output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("calibclip: CALIBCLIP_WEIGHT_CACHE='sometimes'") and len(err.splitlines()) == 1
+    assert not any(tmp_path.iterdir())  # nothing written
