@@ -103,7 +103,8 @@ GUARDED_BASE = merge(TINY_TRAIN, {"run": {"steps": 2, "tensorboard": False, "plo
                                   "warmup": {"steps": 1},
                                   "clipping": {"calibration": {"period": 1}}})
 GUARDED_CASES = {  # both calibrate on every step (shadow passes, histograms, all-reduces)
-    "dp2-grpo-token-mean": {"loss": {"loss_agg_mode": "token-mean", "correction": "mis-token"}},
+    "dp2-grpo-token-mean-eval": {"loss": {"loss_agg_mode": "token-mean", "correction": "mis-token"},
+                                 "evaluation": {"every": 1, "size": 8}},
     "tp2-grpo-bf16-rollout": {"parallel": {"tp": 2}, "rollout": {"precision": "bf16"}},
 }
 
@@ -118,6 +119,8 @@ def test_training_creates_no_tensor_without_a_device(dist_pool, tmp_path, case):
         assert [r["step"] for r in records] == [0, 1]
     trained = [r for r in results[0][1] if "skipped" not in r]
     assert any("calib/ran" in r for r in trained), "a calibration step must have run"
+    if "evaluation" in GUARDED_CASES[case]:
+        assert any("eval/accuracy" in r for r in results[0][1]), "an evaluation must have run"
     assert (tmp_path / case / "checkpoints").is_dir()
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from megatron_calibclip.parallel.devices import HOST
+
 CANDIDATES: dict[str, dict[str, Any]] = {
     "chain_sum-1d-2t": {"task": "chain_sum",
                         "task_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1,
@@ -50,7 +52,7 @@ def survey_task(cfg, problems: int, group_size: int) -> dict[str, float]:
         ids = [list(p.ids) for p in prompts for _ in range(group_size)]
         batch = c.engine.generate(ids, cfg.rollout.sampling, seed=cfg.run.seed)
         rewards = torch.tensor([c.reward_fn(c.tokenizer.decode(r), prompts[i // group_size].record)
-                                for i, r in enumerate(batch.responses())])
+                                for i, r in enumerate(batch.responses())], device=HOST)
     correct = (rewards >= cfg.reward.correct_threshold).float().view(-1, group_size)
     mixed = ((correct.sum(1) > 0) & (correct.sum(1) < group_size)).float().mean()
     return {"greedy_accuracy": greedy["eval/accuracy"],
