@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         shifted_logprobs_entropy,
     )
     from megatron_calibclip.parallel import ParallelLayout, initialize_distributed, teardown
+    from megatron_calibclip.parallel.devices import collective_device, model_device
 
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -58,10 +59,11 @@ def main(argv: list[str] | None = None) -> None:
 
     ids = [encode(p) for p in PROMPTS]
     width = max(len(x) for x in ids)
-    tokens = torch.zeros(len(ids), width, dtype=torch.long)
-    valid = torch.zeros(len(ids), width - 1, dtype=torch.bool)
+    dev = model_device(policy)
+    tokens = torch.zeros(len(ids), width, dtype=torch.long, device=dev)
+    valid = torch.zeros(len(ids), width - 1, dtype=torch.bool, device=dev)
     for i, x in enumerate(ids):  # right padding; padded targets are masked out
-        tokens[i, : len(x)] = torch.tensor(x)
+        tokens[i, : len(x)] = torch.tensor(x, device=dev)
         valid[i, : len(x) - 1] = True
     with torch.no_grad():
         logp, ent = shifted_logprobs_entropy(forward_logits(policy, tokens), tokens,
@@ -69,8 +71,9 @@ def main(argv: list[str] | None = None) -> None:
         ref_logp, _ = shifted_logprobs_entropy(forward_logits(reference, tokens), tokens,
                                                cfg.vocab_size)
     n_params = sum(p.numel() for p in policy.parameters())
-    total = torch.tensor([float(n_params)])
-    dist.all_reduce(total, group=ps.get_tensor_model_parallel_group())
+    group = ps.get_tensor_model_parallel_group()
+    total = torch.tensor([float(n_params)], device=collective_device(group))
+    dist.all_reduce(total, group=group)
     if env.rank == 0:
         print(f"megatron-calibclip demo: preset={args.preset} TP={args.tp} ranks={env.world_size} "
               f"backend={dist.get_backend()} params={int(total.item()):,} "

@@ -239,12 +239,14 @@ def make_tokens(n: int, rank: int, seed: int):
     shadow (BF16) noise 0.03 and FP8 noise 0.25 in log r, N(0, 1) advantages, 10% masked."""
     import torch
 
-    g = torch.Generator().manual_seed((seed * 1_000_003 + rank) * 1_000_033 + n)
-    true = torch.randn(n, generator=g) * 0.12
-    lr16 = true + torch.randn(n, generator=g) * 0.03
-    lr8 = true + torch.randn(n, generator=g) * 0.25
-    adv = torch.randn(n, generator=g)
-    mask = torch.rand(n, generator=g) > 0.1
+    from megatron_calibclip.parallel.devices import HOST  # a CPU benchmark (gloo)
+
+    g = torch.Generator(device=HOST).manual_seed((seed * 1_000_003 + rank) * 1_000_033 + n)
+    true = torch.randn(n, generator=g, device=HOST) * 0.12
+    lr16 = true + torch.randn(n, generator=g, device=HOST) * 0.03
+    lr8 = true + torch.randn(n, generator=g, device=HOST) * 0.25
+    adv = torch.randn(n, generator=g, device=HOST)
+    mask = torch.rand(n, generator=g, device=HOST) > 0.1
     return lr8, lr16, adv, mask
 
 
@@ -252,7 +254,7 @@ def estimator(config, lr8, lr16, adv, mask):
     """What the trainer does on a calibration step: accumulate, then one collective compute()."""
     from megatron_calibclip.calibration import CalibrationAccumulator
 
-    acc = CalibrationAccumulator.from_config(config, EPS_LOW, EPS_HIGH, device="cpu")
+    acc = CalibrationAccumulator.from_config(config, EPS_LOW, EPS_HIGH, device=lr8.device)
     acc.add(lr8, lr16, adv, mask)
     return acc.compute()
 
@@ -314,7 +316,8 @@ def _upper(x8n, mn8, x8p_sorted, cum_p, p: float, log_lower: float, mass_rtol: f
     need = target - mass_rtol * float(cum_p[-1])
     if need <= 0:
         return -math.inf
-    idx = int(torch.searchsorted(cum_p, torch.tensor([need], dtype=torch.float64)))
+    idx = int(torch.searchsorted(cum_p, torch.tensor([need], dtype=torch.float64,
+                                                     device=cum_p.device)))
     return float(x8p_sorted[idx]) if idx < cum_p.numel() else math.inf
 
 
@@ -351,6 +354,8 @@ def _timed(fn: Callable[[], Any], all_reduce_max: Callable) -> tuple[Any, float,
     import torch
     import torch.distributed as dist
 
+    from megatron_calibclip.parallel.devices import collective_device
+
     dist.barrier()
     calls: list[tuple[str, int]] = []
     undo = _counting(calls)
@@ -360,7 +365,7 @@ def _timed(fn: Callable[[], Any], all_reduce_max: Callable) -> tuple[Any, float,
         elapsed = time.perf_counter() - t0
     finally:
         undo()
-    t = torch.tensor([elapsed], dtype=torch.float64)
+    t = torch.tensor([elapsed], dtype=torch.float64, device=collective_device())
     all_reduce_max(t)
     return value, float(t), [b for _, b in calls]
 
@@ -370,6 +375,7 @@ def _run_rank(rank: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     from megatron_calibclip.calibration import CalibrationConfig
+    from megatron_calibclip.parallel.devices import collective_device
 
     def all_reduce_max(t):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -397,7 +403,8 @@ def _run_rank(rank: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
             last["baseline"] = (ex, calls)
         # every rank must hold the same bounds (checked outside the timed region, uncounted)
         mine = torch.tensor([[last[nm][0].log_lower, last[nm][0].log_upper] for nm in configs]
-                            + [[ex.log_lower, ex.log_upper]], dtype=torch.float64)
+                            + [[ex.log_lower, ex.log_upper]], dtype=torch.float64,
+                            device=collective_device())
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         same = all(torch.equal(mine.nan_to_num(), other.nan_to_num()) for other in everyone)

@@ -78,7 +78,9 @@ def compare_arms(results: dict[str, tuple[list[dict], list]]) -> dict:
         a.shape == b.shape and a.dtype == b.dtype
         and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
         for a, b in zip(off_par, on_par))  # bit patterns: -0.0 and NaNs count too
-    flag = torch.tensor([1.0 if params_equal else 0.0])
+    from megatron_calibclip.parallel.devices import collective_device
+
+    flag = torch.tensor([1.0 if params_equal else 0.0], device=collective_device())
     if dist.is_initialized():  # every rank's shard
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     params_equal = bool(flag.item() == 1.0)

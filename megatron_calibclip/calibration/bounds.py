@@ -33,6 +33,7 @@ from megatron_calibclip.calibration.histogram import DistributedHistogram, all_r
 from megatron_calibclip.calibration.result import CalibrationResult
 from megatron_calibclip.calibration.solver import SCALARS, solve
 from megatron_calibclip.calibration.spec import SolveSpec
+from megatron_calibclip.parallel.devices import collective_device
 
 _DEFAULTS = CalibrationConfig()
 
@@ -102,7 +103,8 @@ class CalibrationAccumulator:
 
     def _histogram(self, device: torch.device | None) -> DistributedHistogram:
         if self._hist is None:
-            dev = self._device or device or _default_device()
+            # an idle rank (no tokens, no device given) uses the collective backend's device
+            dev = self._device or device or collective_device()
             self._hist = DistributedHistogram(**self._hist_args, device=dev)
         return self._hist
 
@@ -221,10 +223,3 @@ def _check_inputs(lr8: torch.Tensor, lr16: torch.Tensor, adv: torch.Tensor, mask
     shapes = {tuple(t.shape) for t in (lr8, lr16, adv, mask)}
     if len(shapes) != 1:
         raise ValueError(f"logratio_fp8, logratio_bf16, advantages and mask must have one shape, got {shapes}")
-
-
-def _default_device() -> torch.device:
-    """Where an idle rank's empty histogram lives: the collective backend's device."""
-    if distributed_active() and dist.get_backend() == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -32,6 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_calibclip.parallel.devices import HOST
+
 Weights = Mapping[str, "torch.Tensor | None"]
 
 
@@ -75,11 +77,11 @@ class DistributedHistogram:
         self.width = (self.hi - self.lo) / self.bins
         self.channels, self.scalar_names = channels, scalars
         self.keep_samples, self.rtol = keep_samples, float(rtol)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        edges = self.lo + torch.arange(self.bins + 1, dtype=torch.float64) * self.width
+        self.device = torch.device(device) if device is not None else HOST
+        edges = self.lo + torch.arange(self.bins + 1, dtype=torch.float64, device=HOST) * self.width
         edges[0], edges[-1] = self.lo, self.hi
         self.edges = edges  # e[0..bins], on the CPU (queries run on the CPU)
-        inf = torch.tensor([math.inf], dtype=torch.float64)
+        inf = torch.tensor([math.inf], dtype=torch.float64, device=HOST)
         # slot s is (ext[s], ext[s + 1]]
         self._ext_cpu = torch.cat([-inf, edges, inf])
         self._ext = self._ext_cpu.to(self.device)
@@ -192,11 +194,12 @@ class DistributedHistogram:
             raise ValueError("target is NaN")
         cum = self._cumsum(channel)
         need = target - self.rtol * float(cum[-1])
-        return int(torch.searchsorted(cum, torch.tensor([need], dtype=torch.float64)).item())
+        return int(torch.searchsorted(cum, torch.tensor([need], dtype=torch.float64,
+                                                        device=cum.device)).item())
 
     def locate_value(self, x: float) -> int:
         """The slot holding the value x (the same rule as `slots`, for one Python float)."""
-        return int(self.slots(torch.tensor([x], dtype=torch.float64))[0])
+        return int(self.slots(torch.tensor([x], dtype=torch.float64, device=self.device))[0])
 
     def right_edge(self, slot: int) -> float:
         """Smallest grid point g with every sample of slots <= slot at most g (+inf past hi)."""

@@ -30,6 +30,7 @@ from megatron_calibclip.checkpoint.hf_to_mcore import HF_ASSETS_DIR
 from megatron_calibclip.checkpoint.info import CheckpointInfo
 from megatron_calibclip.checkpoint.layout import resolve_checkpoint
 from megatron_calibclip.checkpoint.progress import progress as progress_bar
+from megatron_calibclip.parallel.devices import HOST
 
 # Tensor keys of a checkpoint that are not model weights.
 _NON_MODEL_PREFIXES = ("optimizer.",)
@@ -58,7 +59,8 @@ class CheckpointTensors:
 
     def get(self, key: str) -> torch.Tensor:
         md = self.meta[key]
-        out = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)}
+        # conversion is offline and reads into host memory
+        out = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype, device=HOST)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.load(out, storage_reader=self.reader, no_dist=True)

@@ -17,12 +17,16 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from megatron_calibclip.parallel.devices import HOST
+
 HALF = 0x8000  # low 16 bits of an fp32 value exactly halfway between two bf16 values
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
+    """A seeded generator on the host: the same dither on every machine."""
     digest = hashlib.sha256(f"bf16-ties:{seed}:{name}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    derived = int.from_bytes(digest[:8], "little") & (2**63 - 1)
+    return torch.Generator(device=HOST).manual_seed(derived)
 
 
 def bf16_tie_mask(t: torch.Tensor) -> torch.Tensor:
@@ -54,8 +58,10 @@ def break_bf16_ties(
             out[name] = t
             continue
         g = _generator(seed, name)
-        magnitude = torch.randint(1, HALF, (n,), generator=g, dtype=torch.int32)
-        sign = torch.randint(0, 2, (n,), generator=g, dtype=torch.int32) * 2 - 1
+        magnitude = torch.randint(1, HALF, (n,), generator=g, dtype=torch.int32,
+                                  device=HOST).to(t.device)
+        sign = torch.randint(0, 2, (n,), generator=g, dtype=torch.int32,
+                             device=HOST).to(t.device) * 2 - 1
         bits = t.detach().clone().contiguous().view(torch.int32)
         bits[mask] = (bits[mask] & ~0xFFFF) | (HALF + sign * magnitude)
         out[name] = bits.view(torch.float32)

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from megatron_calibclip.parallel.devices import HOST
+
 
 def _arithmetic(task: str, terms: tuple[int, int], digits: tuple[int, int]) -> dict[str, Any]:
     return {"task": task, "task_config": {"min_terms": terms[0], "max_terms": terms[1],
@@ -45,7 +47,7 @@ def survey_task(cfg, problems: int, group_size: int) -> dict[str, float]:
         ids = [list(p.ids) for p in prompts for _ in range(group_size)]
         batch = c.engine.generate(ids, cfg.rollout.sampling, seed=cfg.run.seed)
         rewards = torch.tensor([c.reward_fn(c.tokenizer.decode(r), prompts[i // group_size].record)
-                                for i, r in enumerate(batch.responses())])
+                                for i, r in enumerate(batch.responses())], device=HOST)
     correct = (rewards >= cfg.reward.correct_threshold).float().view(-1, group_size)
     mixed = ((correct.sum(1) > 0) & (correct.sum(1) < group_size)).float().mean()
     return {"greedy_accuracy": greedy["eval/accuracy"],

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_calibclip.fp8.formats import FP8Format
 from megatron_calibclip.fp8.scales import delayed_scale
+from megatron_calibclip.parallel.devices import HOST
 
 
 class AmaxHistory:
@@ -38,8 +39,9 @@ class AmaxHistory:
         self.algo = algo
         self.margin = margin
         self.group = group
-        self.history = torch.zeros(history_len, dtype=torch.float32)  # [0] = most recent
-        self.scale = torch.ones((), dtype=torch.float32)
+        # on the host until the first amax arrives; record() moves them to its device
+        self.history = torch.zeros(history_len, dtype=torch.float32, device=HOST)  # [0]: newest
+        self.scale = torch.ones((), dtype=torch.float32, device=HOST)
         self.updates = 0  # how many amaxes were recorded (tests, logging)
 
     def record(self, amax: torch.Tensor) -> None:

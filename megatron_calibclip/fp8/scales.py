@@ -62,7 +62,7 @@ def e8m0_exponent(amax: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     and fp32 subnormals v <= 2**-127 give 0; the result is clamped to [0, 254] (satfinite).
     Returns int32 in [0, 254]; 255 (NaN) for a NaN amax.
     """
-    rcp = torch.tensor(1.0 / fmt.max, dtype=torch.float32)
+    rcp = torch.tensor(1.0 / fmt.max, dtype=torch.float32, device=amax.device)
     v = amax.float() * rcp
     bits = v.view(torch.int32)
     exponent = (bits >> 23) & 0xFF

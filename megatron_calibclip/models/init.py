@@ -5,7 +5,9 @@ Why: megatron-core initialises from the global RNG in construction order, so a p
 stage that skips the embedding or the first layers, or a TP size that pads the vocabulary
 differently, draws different numbers. Distributed correctness tests and reproducible demos
 need identical weights across layouts, so every parameter is drawn whole from its own
-generator, seeded by (seed, global parameter name), and this rank keeps its shard.
+generator, seeded by (seed, global parameter name), and this rank keeps its shard. The draws
+are made on the host (parallel/devices.HOST) so that a GPU run gets the same weights; each
+parameter's shard is then copied to the parameter's device.
 Real runs load converted checkpoints instead (checkpoint/).
 """
 from __future__ import annotations
@@ -17,11 +19,13 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_calibclip.models.config import ModelConfig
+from megatron_calibclip.parallel.devices import HOST
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    derived = int.from_bytes(digest[:8], "little") & (2**63 - 1)
+    return torch.Generator(device=HOST).manual_seed(derived)
 
 
 def global_param_name(name: str, cfg: ModelConfig) -> str:
@@ -46,19 +50,20 @@ def shard_of(full: torch.Tensor, partition_dim: int, stride: int, rank: int, wor
 def _full_value(name: str, shape: list[int], cfg: ModelConfig, seed: int) -> torch.Tensor:
     leaf = name.rsplit(".", 1)[-1]
     if "layernorm" in name or name.endswith("final_layernorm.weight") or "norm" in leaf:
-        return torch.ones(shape)
+        return torch.ones(shape, device=HOST)
     std = cfg.init_method_std
     if leaf == "bias":  # small but non-zero, so that bias paths are exercised by tests
-        return torch.randn(shape, generator=_generator(seed, name)) * std
+        return torch.randn(shape, generator=_generator(seed, name), device=HOST) * std
     if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
         std = std / math.sqrt(2.0 * cfg.num_layers)  # megatron's scaled output-layer init
     is_vocab = "word_embeddings" in name or name.startswith("output_layer")
     draw_shape = list(shape)
     if is_vocab:
         draw_shape[0] = cfg.vocab_size
-    value = torch.randn(draw_shape, generator=_generator(seed, name)) * std
+    value = torch.randn(draw_shape, generator=_generator(seed, name), device=HOST) * std
     if is_vocab and shape[0] > cfg.vocab_size:  # TP padding rows: zero, never a real token
-        value = torch.cat([value, torch.zeros(shape[0] - cfg.vocab_size, *shape[1:])])
+        value = torch.cat([value, torch.zeros(shape[0] - cfg.vocab_size, *shape[1:],
+                                              device=HOST)])
     return value
 
 

@@ -11,10 +11,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_calibclip.parallel.devices import collective_device
+
 
 def any_rank(flag: bool, group: Optional[dist.ProcessGroup] = None) -> bool:
     """Collective: True on every rank of `group` (default: all) if `flag` is True on any."""
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=collective_device(group))
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())

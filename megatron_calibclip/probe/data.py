@@ -1,9 +1,13 @@
 """The probe's token data: chain_sum text or samples from the model, byte or HF tokens, and
-the two micro-batch layouts the layout source compares."""
+the two micro-batch layouts the layout source compares.
+
+Sequences live on the host (parallel/devices.HOST): seeded draws are then the same on every
+machine, and each micro-batch is padded onto the model's device when it is used."""
 from __future__ import annotations
 
 import torch
 
+from megatron_calibclip.parallel.devices import HOST
 from megatron_calibclip.probe.config import (
     BOS_ID,
     BYTE_OFFSET,
@@ -58,19 +62,20 @@ def make_sequences(cfg: ProbeConfig, n: int, seed: int, vocab_size: int, tokeniz
     appended if `eos`), or random ids (tokens == "random"); with `corrupt` > 0 (text only)
     that fraction of positions >= 1 gets uniform random ids."""
     if cfg.tokens == "random":
-        g = torch.Generator().manual_seed(seed)
-        lengths = torch.randint(cfg.max_len // 2, cfg.max_len + 1, (n,), generator=g)
-        return [torch.randint(1, vocab_size, (int(L),), generator=g) for L in lengths]
+        g = torch.Generator(device=HOST).manual_seed(seed)
+        lengths = torch.randint(cfg.max_len // 2, cfg.max_len + 1, (n,), generator=g, device=HOST)
+        return [torch.randint(1, vocab_size, (int(L),), generator=g, device=HOST) for L in lengths]
     toks = _Tokens(vocab_size, tokenizer)
     seqs = [(toks.text(f"{q} {a}") + ([toks.eos] if eos else []))[:cfg.max_len]
             for q, a in _chain_sum(n, seed)]
-    out = [torch.tensor(s, dtype=torch.long) for s in seqs if len(s) >= 2]
+    out = [torch.tensor(s, dtype=torch.long, device=HOST) for s in seqs if len(s) >= 2]
     if corrupt > 0:
-        g = torch.Generator().manual_seed(seed + 29)
+        g = torch.Generator(device=HOST).manual_seed(seed + 29)
         for s in out:
-            hit = torch.rand(len(s), generator=g) < corrupt
+            hit = torch.rand(len(s), generator=g, device=HOST) < corrupt
             hit[0] = False
-            s[hit] = torch.randint(toks.special_lo, vocab_size, (int(hit.sum()),), generator=g)
+            s[hit] = torch.randint(toks.special_lo, vocab_size, (int(hit.sum()),), generator=g,
+                                   device=HOST)
     return out
 
 
@@ -87,7 +92,7 @@ def make_samples(model, cfg: ProbeConfig, n: int, seed: int, vocab_size: int, to
                                                     max_new_tokens=cfg.sample_len), seed)
     seqs, starts = [], []
     for i, response in enumerate(batch.responses()):
-        seqs.append(torch.tensor(prompts[i] + response, dtype=torch.long))
+        seqs.append(torch.tensor(prompts[i] + response, dtype=torch.long, device=HOST))
         starts.append(len(prompts[i]))
     return seqs, starts
 
@@ -95,7 +100,8 @@ def make_samples(model, cfg: ProbeConfig, n: int, seed: int, vocab_size: int, to
 def make_layouts(n: int, old_mb: int, new_mb: int, seed: int
                  ) -> tuple[list[list[int]], list[list[int]]]:
     """Layout A: consecutive groups of old_mb; layout B: groups of new_mb after a shuffle."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 17)).tolist()
+    g = torch.Generator(device=HOST).manual_seed(seed + 17)
+    order = torch.randperm(n, generator=g, device=HOST).tolist()
     a = [list(range(i, min(i + old_mb, n))) for i in range(0, n, old_mb)]
     b = [order[i:i + new_mb] for i in range(0, n, new_mb)]
     return a, b

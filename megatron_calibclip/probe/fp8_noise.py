@@ -49,6 +49,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from megatron_calibclip.parallel.devices import HOST, model_device
 # re-exported: the probe's public names live here (tests, cli.py, probe/__init__.py)
 from megatron_calibclip.probe.config import (  # noqa: F401
     BOS_ID,
@@ -126,8 +127,10 @@ def ratio_stats(log_r: torch.Tensor, log_r_bf16: torch.Tensor, log_r_fp32: torch
 
 
 # ------------------------------------------------------------------------ data
-def _pad(seqs: list[torch.Tensor], pad_id: int) -> torch.Tensor:
-    batch = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.long)
+def _pad(seqs: list[torch.Tensor], pad_id: int, device: torch.device) -> torch.Tensor:
+    """Right-padded batch on `device` (the model's) of host-side sequences."""
+    batch = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.long,
+                       device=device)
     for j, s in enumerate(seqs):
         batch[j, :len(s)] = s
     return batch
@@ -141,7 +144,7 @@ def layout_logprobs(model, seqs: list[torch.Tensor], layout: list[list[int]], vo
 
     out: list[Optional[torch.Tensor]] = [None] * len(seqs)
     for mb in layout:
-        batch = _pad([seqs[i] for i in mb], pad_id)
+        batch = _pad([seqs[i] for i in mb], pad_id, model_device(model))
         lp = shifted_logprobs_entropy(forward_logits(model, batch), batch, vocab)[0]
         for j, i in enumerate(mb):
             out[i] = lp[j, :len(seqs[i]) - 1].detach().float()
@@ -155,12 +158,12 @@ def _warmup(model, seqs: list[torch.Tensor], cfg: ProbeConfig, steps: int, vocab
     from megatron_calibclip.models import forward_logits, shifted_logprobs_entropy
 
     opt = torch.optim.Adam(model.parameters(), lr=cfg.warmup_lr)
-    g = torch.Generator().manual_seed(cfg.seed + 5)
+    g = torch.Generator(device=HOST).manual_seed(cfg.seed + 5)  # the same draws everywhere
     losses = []
     for _ in range(steps):
-        idx = torch.randperm(len(seqs), generator=g)[:cfg.warmup_batch].tolist()
-        batch = _pad([seqs[i] for i in idx], pad_id)
-        mask = torch.zeros(batch.shape[0], batch.shape[1] - 1)
+        idx = torch.randperm(len(seqs), generator=g, device=HOST)[:cfg.warmup_batch].tolist()
+        batch = _pad([seqs[i] for i in idx], pad_id, model_device(model))
+        mask = torch.zeros(batch.shape[0], batch.shape[1] - 1, device=batch.device)
         for j, i in enumerate(idx):
             mask[j, :len(seqs[i]) - 1] = 1.0
         lp = shifted_logprobs_entropy(forward_logits(model, batch), batch, vocab)[0]
@@ -184,7 +187,7 @@ def _update_direction(model, seqs, layout, adv_tok, vocab, pad_id) -> dict[str, 
         pos += len(s) - 1
     n_tok = max(int((adv_tok != 0).sum()), 1)
     for mb in layout:
-        batch = _pad([seqs[i] for i in mb], pad_id)
+        batch = _pad([seqs[i] for i in mb], pad_id, model_device(model))
         lp = shifted_logprobs_entropy(forward_logits(model, batch), batch, vocab)[0]
         weight = torch.zeros_like(lp)
         for j, i in enumerate(mb):
@@ -315,9 +318,12 @@ def run_fp8_noise(cfg: ProbeConfig, log: Callable[[str], None] = print) -> dict[
     layout_a, layout_b = make_layouts(len(seqs), cfg.old_micro_batch, cfg.micro_batch, cfg.seed)
     # measured positions: next-token position t scores token t + 1; a sequence's tokens from
     # index starts[i] on are measured (text: all but the first token; samples: the response)
-    measured = torch.cat([torch.arange(len(s) - 1) >= starts[i] - 1 for i, s in enumerate(seqs)])
-    g = torch.Generator().manual_seed(cfg.seed + 3)
-    seq_adv = torch.where(torch.rand(len(seqs), generator=g) < cfg.neg_frac, -1.0, 1.0)
+    dev = model_device(model)  # where the log-probs these select and weight live
+    measured = torch.cat([torch.arange(len(s) - 1, device=dev) >= starts[i] - 1
+                          for i, s in enumerate(seqs)])
+    g = torch.Generator(device=HOST).manual_seed(cfg.seed + 3)
+    draws = torch.rand(len(seqs), generator=g, device=HOST).to(dev)
+    seq_adv = torch.where(draws < cfg.neg_frac, -1.0, 1.0)
     adv_all = torch.cat([seq_adv[i].expand(len(s) - 1) for i, s in enumerate(seqs)])
     adv_all = torch.where(measured, adv_all, torch.zeros_like(adv_all))
     adv = adv_all[measured]

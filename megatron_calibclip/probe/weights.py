@@ -7,6 +7,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_calibclip.parallel.devices import HOST
+
 
 def _gemm_weights(model, mode: str) -> list[torch.Tensor]:
     """The weights of the emulated linears as their GEMMs see them in `mode`."""
@@ -72,13 +74,14 @@ def dither_weights(model, seed: int) -> int:
     with torch.no_grad():
         for i, m in enumerate(emulated_linears(model)):
             w = m.weight
-            g = torch.Generator().manual_seed(seed * 1_000_003 + i)
+            g = torch.Generator(device=HOST).manual_seed(seed * 1_000_003 + i)  # same everywhere
             bits = w.detach().float().contiguous().view(torch.int32).clone()
             low = bits & 0xFFFF
             tie = low == 0x8000
             exact = (low == 0) & (w.detach() != 0)
-            d = torch.randint(1, 0x8000, bits.shape, generator=g, dtype=torch.int32)
-            d = d * (torch.randint(0, 2, bits.shape, generator=g, dtype=torch.int32) * 2 - 1)
+            d = torch.randint(1, 0x8000, bits.shape, generator=g, dtype=torch.int32, device=HOST)
+            sign = torch.randint(0, 2, bits.shape, generator=g, dtype=torch.int32, device=HOST)
+            d = (d * (sign * 2 - 1)).to(bits.device)
             bits = torch.where(tie, (bits & ~0xFFFF) | (0x8000 + d), bits)
             bits = torch.where(exact, bits + d, bits)
             w.copy_(bits.view(torch.float32).to(w.dtype))

@@ -31,6 +31,7 @@ from typing import Generic, Sequence, TypeVar
 import torch
 from torch import Tensor
 
+from megatron_calibclip.parallel.devices import device_of
 from megatron_calibclip.rl import _validation as V
 
 T = TypeVar("T")
@@ -45,7 +46,7 @@ def overlong_penalty(lengths: Tensor | Sequence[int], *, max_length: int, cache_
         raise ValueError(f"max_length must be > 0, got {max_length}")
     if not 0 < cache_length <= max_length:
         raise ValueError(f"cache_length must be in (0, max_length={max_length}], got {cache_length}")
-    n = torch.as_tensor(lengths)
+    n = torch.as_tensor(lengths, device=device_of(lengths))
     if n.is_floating_point() or n.dtype == torch.bool:
         raise ValueError(f"lengths must be integer token counts, got dtype {n.dtype}")
     if bool((n < 0).any()):

@@ -22,6 +22,8 @@ from typing import Iterable, Mapping
 import torch
 from torch import Tensor
 
+from megatron_calibclip.parallel.devices import device_of
+
 # numerator key -> denominator key, for every derived metric
 FRACTIONS: dict[str, tuple[str, str]] = {
     "clipfrac_lower": ("clip_lower_neg", "neg_tokens"),  # P(r < L | A<0): gradient dropped
@@ -60,7 +62,7 @@ def merge_counts(all_counts: Iterable[Mapping[str, Tensor | float]]) -> dict[str
         elif set(c) != keys:
             raise ValueError(f"all_counts: key sets differ: {sorted(keys)} vs {sorted(c)}")
         for k, v in c.items():
-            v = torch.as_tensor(v, dtype=torch.float64)
+            v = torch.as_tensor(v, dtype=torch.float64, device=device_of(v))
             out[k] = out[k] + v.to(out[k].device) if k in out else v.clone()
     if keys is None:
         raise ValueError("all_counts is empty")
@@ -72,7 +74,7 @@ def merge_extrema(all_extrema: Iterable[Mapping[str, Tensor | float]]) -> dict[s
     out: dict[str, Tensor] = {}
     for e in all_extrema:
         for k, v in e.items():
-            v = torch.as_tensor(v, dtype=torch.float64)
+            v = torch.as_tensor(v, dtype=torch.float64, device=device_of(v))
             if k not in EXTREMA_REDUCE:
                 raise ValueError(f"all_extrema: unknown key {k!r}; known: {sorted(EXTREMA_REDUCE)}")
             if k not in out:
@@ -90,9 +92,9 @@ def finalize_metrics(
     out: dict[str, Tensor] = {}
     for name, (num, den) in FRACTIONS.items():
         if num in counts and den in counts:
-            n = torch.as_tensor(counts[num], dtype=torch.float64)
-            d = torch.as_tensor(counts[den], dtype=torch.float64).to(n.device)
+            n = torch.as_tensor(counts[num], dtype=torch.float64, device=device_of(counts[num]))
+            d = torch.as_tensor(counts[den], dtype=torch.float64, device=n.device)
             out[name] = torch.where(d > 0, n / d.clamp(min=1e-300), torch.zeros_like(n))
     for k, v in (extrema or {}).items():
-        out[k] = torch.as_tensor(v, dtype=torch.float64)
+        out[k] = torch.as_tensor(v, dtype=torch.float64, device=device_of(v))
     return out

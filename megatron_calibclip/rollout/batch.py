@@ -29,7 +29,8 @@ class RolloutBatch:
     def response_mask(self) -> torch.Tensor:
         """[B, P + R - 1] bool: positions whose target is a response token."""
         b, width = self.tokens.shape
-        target_col = torch.arange(1, width).unsqueeze(0)  # column of the scored token
+        # column of the scored token
+        target_col = torch.arange(1, width, device=self.tokens.device).unsqueeze(0)
         start = self.prompt_width
         end = start + self.response_lengths.unsqueeze(1)
         return (target_col >= start) & (target_col < end)
@@ -38,7 +39,7 @@ class RolloutBatch:
     def key_padding(self) -> torch.Tensor:
         """[B, P + R] bool: True on left padding (keys nobody may attend to)."""
         b, width = self.tokens.shape
-        col = torch.arange(width).unsqueeze(0)
+        col = torch.arange(width, device=self.tokens.device).unsqueeze(0)
         return col < (self.prompt_width - self.prompt_lengths).unsqueeze(1)
 
     def attention_mask(self) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.inference.contexts import StaticInferenceContext
 
+from megatron_calibclip.parallel.devices import collective_device, model_device
 from megatron_calibclip.parallel.flags import any_rank
 from megatron_calibclip.rollout.batch import RolloutBatch
 from megatron_calibclip.rollout.sampling import SamplingParams, sample_next
@@ -62,8 +63,9 @@ class MegatronRolloutEngine:
         if self._sampler_rank is None:
             me = dist.get_rank()
             is_sampler = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-            t = torch.tensor([me if is_sampler else -1])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_model_parallel_group())
+            group = ps.get_model_parallel_group()
+            t = torch.tensor([me if is_sampler else -1], device=collective_device(group))
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             self._sampler_rank = int(t.item())
         return self._sampler_rank
 
@@ -72,10 +74,12 @@ class MegatronRolloutEngine:
         """One pipeline pass; returns last-position logits [b, V_padded] on the last stage."""
         pp = ps.get_pipeline_model_parallel_world_size()
         b, s = tokens.shape
-        positions = torch.arange(s).unsqueeze(0).expand(b, s) + ctx.sequence_len_offset
+        positions = (torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+                     + ctx.sequence_len_offset)
         if pp > 1 and not ps.is_pipeline_first_stage():
             cfg = self.model.config
-            hidden = torch.empty(s, b, cfg.hidden_size, dtype=cfg.pipeline_dtype)
+            hidden = torch.empty(s, b, cfg.hidden_size, dtype=cfg.pipeline_dtype,
+                                 device=tokens.device)
             dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
             self.model.set_input_tensor(hidden)
         out = self.model(tokens, positions, mask, inference_context=ctx,
@@ -88,13 +92,16 @@ class MegatronRolloutEngine:
     def _choose(self, logits: Optional[torch.Tensor], params: SamplingParams,
                 generator: torch.Generator, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         src = self._sampler_global_rank()
-        packed = torch.zeros(2, b, dtype=torch.float64)
+        # the broadcast payload lives where the model-parallel backend needs it
+        packed = torch.zeros(2, b, dtype=torch.float64,
+                             device=collective_device(ps.get_model_parallel_group()))
         if dist.get_rank() == src:
             tok, lp = sample_next(logits[:, : self.vocab_size], params, generator)
             packed[0], packed[1] = tok.double(), lp.double()
         if dist.get_world_size(ps.get_model_parallel_group()) > 1:
             dist.broadcast(packed, src=src, group=ps.get_model_parallel_group())
-        return packed[0].long(), packed[1].float()
+        device = model_device(self.model)
+        return packed[0].long().to(device), packed[1].float().to(device)
 
     def _any_rank_running(self, done: torch.Tensor) -> bool:
         """Collective over `stop_group`: does any rank still have an unfinished sequence?"""
@@ -114,15 +121,19 @@ class MegatronRolloutEngine:
         b = len(prompts)
         width = max(len(p) for p in prompts)
         total = width + params.max_new_tokens
-        tokens = torch.full((b, total), self.pad_id, dtype=torch.long)
-        prompt_lengths = torch.tensor([len(p) for p in prompts])
+        device = model_device(self.model)
+        tokens = torch.full((b, total), self.pad_id, dtype=torch.long, device=device)
+        prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)
         for i, p in enumerate(prompts):
-            tokens[i, width - len(p): width] = torch.tensor(list(p), dtype=torch.long)
-        key_pad = torch.arange(total).unsqueeze(0) < (width - prompt_lengths).unsqueeze(1)
-        logprobs = torch.zeros(b, total - 1)
-        lengths = torch.zeros(b, dtype=torch.long)
-        done = torch.zeros(b, dtype=torch.bool)
-        generator = torch.Generator().manual_seed(int(seed))
+            tokens[i, width - len(p): width] = torch.tensor(list(p), dtype=torch.long,
+                                                            device=device)
+        key_pad = (torch.arange(total, device=device).unsqueeze(0)
+                   < (width - prompt_lengths).unsqueeze(1))
+        logprobs = torch.zeros(b, total - 1, device=device)
+        lengths = torch.zeros(b, dtype=torch.long, device=device)
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        # sampling happens on the model's device; torch.multinomial needs its generator there
+        generator = torch.Generator(device=device).manual_seed(int(seed))
         ctx = StaticInferenceContext(b, total)
         was_training = self.model.training
         self.model.eval()

@@ -37,6 +37,7 @@ from megatron_calibclip.models import (
     get_preset,
     emulated_layer_spec,
 )
+from megatron_calibclip.parallel.devices import model_device
 from megatron_calibclip.rl import ReasoningGymReward, math_reward
 from megatron_calibclip.rollout import MegatronRolloutEngine
 from megatron_calibclip.trainer.config import TrainConfig
@@ -61,6 +62,11 @@ class Components:
     dp_group: Any
     run_dir: Path
     heldout: list = field(default_factory=list)  # held-out prompts (evaluation.every > 0)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the policy's parameters live: batches, rewards and sampling go there."""
+        return model_device(self.policy)
 
     def trainer_precision(self):
         """Context manager: the policy in the trainer precision."""

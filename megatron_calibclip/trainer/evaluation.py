@@ -18,6 +18,7 @@ from megatron_calibclip.config import ConfigError
 from megatron_calibclip.data import PromptRecord
 from megatron_calibclip.data.dataset import PromptDataset
 from megatron_calibclip.data.sources import reasoning_gym_records
+from megatron_calibclip.parallel.devices import collective_device
 from megatron_calibclip.rollout.sampling import SamplingParams
 
 HELDOUT_SEED_OFFSET = 1_000_003  # held-out problems come from another seed of the generator
@@ -67,7 +68,8 @@ def evaluate(c, updates: int, prefix: str = "eval") -> dict[str, float]:
         length = float(batch.response_lengths.sum())
     else:  # a rank without problems still joins the decode's collectives
         c.engine.generate([list(c.heldout[0].ids)], params, seed=0)
-    vec = torch.tensor([correct, reward, length, float(len(mine))], dtype=torch.float64)
+    vec = torch.tensor([correct, reward, length, float(len(mine))], dtype=torch.float64,
+                       device=collective_device(c.dp_group))
     dist.all_reduce(vec, group=c.dp_group)
     n = max(float(vec[3]), 1.0)
     return {f"{prefix}/accuracy": float(vec[0]) / n, f"{prefix}/reward_mean": float(vec[1]) / n,

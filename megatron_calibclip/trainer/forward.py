@@ -20,13 +20,14 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_calibclip.models.forward import position_ids_for
+from megatron_calibclip.parallel.devices import model_device
 from megatron_calibclip.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
 
 def _pad_rows(t: torch.Tensor, rows: int, value) -> torch.Tensor:
     if rows == 0:
         return t
-    pad = torch.full((rows, *t.shape[1:]), value, dtype=t.dtype)
+    pad = torch.full((rows, *t.shape[1:]), value, dtype=t.dtype, device=t.device)
     return torch.cat([t, pad], dim=0)
 
 
@@ -51,11 +52,14 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int,
     )
 
 
-def broadcast_from_last_stage(t: Optional[torch.Tensor], shape, dtype) -> torch.Tensor:
-    """The last pipeline stage's tensor, on every stage of this replica."""
+def broadcast_from_last_stage(t: Optional[torch.Tensor], shape, dtype,
+                              device: torch.device) -> torch.Tensor:
+    """The last pipeline stage's tensor, on every stage of this replica (other stages
+    receive into a buffer on `device`: where the last stage's tensor lives)."""
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return t
-    buf = t.contiguous() if ps.is_pipeline_last_stage() else torch.empty(shape, dtype=dtype)
+    buf = (t.contiguous() if ps.is_pipeline_last_stage()
+           else torch.empty(shape, dtype=dtype, device=device))
     dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
                    group=ps.get_pipeline_model_parallel_group())
     return buf
@@ -73,7 +77,7 @@ def run_schedule(model, micro_batches: list[dict], loss_fn: Callable, *, forward
 
         def loss_func(logits):
             loss, outputs = loss_fn(mb, logits)
-            return loss, torch.zeros((), dtype=torch.int), outputs
+            return loss, torch.zeros((), dtype=torch.int, device=loss.device), outputs
 
         return out, loss_func
 
@@ -99,7 +103,7 @@ def compute_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor, 
 
     def loss_fn(mb, logits):
         lp, ent = token_logprobs(logits, mb["tokens"], vocab_size, temperature)
-        return torch.zeros(()), {"lp": lp, "ent": ent}
+        return torch.zeros((), device=lp.device), {"lp": lp, "ent": ent}
 
     was_training = model.training
     model.eval()
@@ -112,8 +116,9 @@ def compute_logprobs(model, tokens: torch.Tensor, attention_mask: torch.Tensor, 
     if ps.is_pipeline_last_stage():
         lp = torch.cat([o["lp"] for o in outs])
         ent = torch.cat([o["ent"] for o in outs])
-    lp = broadcast_from_last_stage(lp, shape, torch.float32)[:b]
+    device = model_device(model)
+    lp = broadcast_from_last_stage(lp, shape, torch.float32, device)[:b]
     if with_entropy:
-        ent = broadcast_from_last_stage(ent, shape, torch.float32)[:b]
+        ent = broadcast_from_last_stage(ent, shape, torch.float32, device)[:b]
         return lp, ent
     return lp, None

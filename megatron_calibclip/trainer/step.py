@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_calibclip.parallel.devices import collective_device
 from megatron_calibclip.rl import (
     dynamic_sampling_filter,
     finalize_metrics,
@@ -91,7 +92,7 @@ def _score(c: Components, prompts, batch: RolloutBatch) -> tuple[torch.Tensor, t
     for i, resp in enumerate(batch.responses()):
         text = c.tokenizer.decode(resp)
         rewards.append(c.reward_fn(text, prompts[i // g].record))
-    r = torch.tensor(rewards, dtype=torch.float32)
+    r = torch.tensor(rewards, dtype=torch.float32, device=c.device)
     correct = r >= c.cfg.reward.correct_threshold
     return r, correct
 
@@ -105,9 +106,9 @@ def _concat(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     toks, lps = [], []
     for b in batches:
         shift = p - b.prompt_width
-        t = torch.full((b.batch_size, p + r), pad_id, dtype=torch.long)
+        t = torch.full((b.batch_size, p + r), pad_id, dtype=torch.long, device=b.tokens.device)
         t[:, shift: shift + b.tokens.shape[1]] = b.tokens
-        lp = torch.zeros(b.batch_size, p + r - 1)
+        lp = torch.zeros(b.batch_size, p + r - 1, device=b.rollout_logprobs.device)
         lp[:, shift: shift + b.rollout_logprobs.shape[1]] = b.rollout_logprobs
         toks.append(t)
         lps.append(lp)
@@ -146,19 +147,20 @@ def collect(c: Components, step: int, timer: Timer, stats: dict) -> Optional[Ste
             kept_rewards.append(rewards)
             kept_groups += len(prompts)
         # every rank must draw the same number of prompt batches (the data cursor is shared)
-        need = torch.tensor([1.0 if kept_groups < local_n else 0.0])
+        need = torch.tensor([1.0 if kept_groups < local_n else 0.0], device=collective_device())
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
         if need.item() == 0:
             break
     seen = torch.cat(all_rewards)
     pooled = _dp_all_reduce(torch.tensor([float(seen.sum()), float(seen.numel()),
                                           float(stats.get("dynamic_sampling/groups_seen", 0))],
-                                         dtype=torch.float64), c.dp_group)
+                                         dtype=torch.float64,
+                                         device=collective_device(c.dp_group)), c.dp_group)
     stats["reward_all_mean"] = float(pooled[0] / pooled[1])  # before dynamic sampling
     if a.dynamic_sampling:
         stats["dynamic_sampling/groups_seen"] = float(pooled[2])
     # equal work on every DP rank: trim to the smallest kept count
-    n = torch.tensor([float(min(kept_groups, local_n))])
+    n = torch.tensor([float(min(kept_groups, local_n))], device=collective_device())
     dist.all_reduce(n, op=dist.ReduceOp.MIN)
     n_groups = int(n.item())
     if a.dynamic_sampling:
@@ -167,7 +169,7 @@ def collect(c: Components, step: int, timer: Timer, stats: dict) -> Optional[Ste
         return None
     batch = _concat(kept_batches, c.tokenizer.pad_id)
     rewards = torch.cat(kept_rewards)
-    sel = torch.arange(n_groups * g)
+    sel = torch.arange(n_groups * g, device=batch.tokens.device)
     batch, rewards = batch.select(sel), rewards[sel]
     shaped = rewards.clone()
     if a.overlong_max_length > 0:
@@ -225,7 +227,7 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
             with c.shadow_precision():
                 shadow_old, _ = compute_logprobs(c.ddp, b.tokens, attn, **lp_kw)
     if calibrating:
-        acc = c.clipper.new_accumulator()
+        acc = c.clipper.new_accumulator(c.device)
 
     # ---- mini-batch updates ------------------------------------------------------------
     n = b.batch_size
@@ -240,10 +242,11 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
     for chunk in chunks:
         if len(chunk) == 0:
             continue
-        idx = torch.as_tensor(chunk)
+        idx = torch.as_tensor(chunk, device=data.mask.device)
         mask = data.mask[idx]
         glob = _dp_all_reduce(torch.tensor([float(mask.sum()), float(mask.any(1).sum())],
-                                           dtype=torch.float64), c.dp_group)
+                                           dtype=torch.float64,
+                                           device=collective_device(c.dp_group)), c.dp_group)
         tensors = {"tokens": b.tokens[idx], "attention_mask": attn[idx], "mask": mask,
                    "old_lp": old_lp[idx], "ref_lp": ref_lp[idx],
                    "rollout_lp": b.rollout_logprobs[idx],
@@ -286,7 +289,7 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
         # per-token FP8 log-probs of this update's forward, on every stage of the replica
         shape = (len(mbs) * mbs[0]["tokens"].shape[0], b.tokens.shape[1] - 1)
         cur = torch.cat([o["lp"] for o in outs]) if ps.is_pipeline_last_stage() else None
-        cur = broadcast_from_last_stage(cur, shape, torch.float32)[:rows]
+        cur = broadcast_from_last_stage(cur, shape, torch.float32, c.device)[:rows]
         if ps.is_pipeline_last_stage():
             loss_values.extend(float(o["loss"]) for o in outs if o["loss"] is not None)
             mb_counts.extend(o["counts"] for o in outs if o["counts"] is not None)
@@ -309,9 +312,10 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
     stats["clip/lower"], stats["clip/upper"] = lower, upper
     if c.clipper is not None:
         stats["clip/next_lower"], stats["clip/next_upper"] = c.clipper.next_bounds
-    total_loss = torch.tensor([sum(loss_values)], dtype=torch.float64)
+    dev = collective_device(c.dp_group)
+    total_loss = torch.tensor([sum(loss_values)], dtype=torch.float64, device=dev)
     total_loss = broadcast_from_last_stage(total_loss if ps.is_pipeline_last_stage() else None, (1,),
-                                           torch.float64)
+                                           torch.float64, dev)
     stats["loss/total"] = float(_dp_all_reduce(total_loss, c.dp_group)) / max(len(grad_norms), 1)
     return stats
 
@@ -319,13 +323,15 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
 def _reduce_loss_metrics(c: Components, counts: dict, extrema: dict) -> dict[str, float]:
     """Sum counts over micro-batches (done) and DP ranks; share them across PP stages."""
     keys = sorted({k for pair in FRACTIONS.values() for k in pair})
-    vec = torch.tensor([float(counts.get(k, 0.0)) for k in keys], dtype=torch.float64)
+    dev = collective_device(c.dp_group)
+    vec = torch.tensor([float(counts.get(k, 0.0)) for k in keys], dtype=torch.float64, device=dev)
     mins = torch.tensor([float(extrema.get("ratio_min", float("inf"))),
-                         -float(extrema.get("ratio_max", float("-inf")))], dtype=torch.float64)
+                         -float(extrema.get("ratio_max", float("-inf")))], dtype=torch.float64,
+                        device=dev)
     vec = broadcast_from_last_stage(vec if ps.is_pipeline_last_stage() else None,
-                                    vec.shape, torch.float64)
+                                    vec.shape, torch.float64, dev)
     mins = broadcast_from_last_stage(mins if ps.is_pipeline_last_stage() else None,
-                                     mins.shape, torch.float64)
+                                     mins.shape, torch.float64, dev)
     vec = _dp_all_reduce(vec, c.dp_group)
     mins = _dp_all_reduce(mins, c.dp_group, dist.ReduceOp.MIN)
     total = dict(zip(keys, vec))
@@ -342,7 +348,7 @@ def _batch_metrics(c: Components, data: StepData) -> dict[str, float]:
         float(data.rewards.sum()), float(data.rewards.numel()),
         float(b.response_lengths.sum()), float((data.rewards >= c.cfg.reward.correct_threshold).sum()),
         float(b.finished.sum()),
-    ], dtype=torch.float64)
+    ], dtype=torch.float64, device=collective_device(c.dp_group))
     vec = _dp_all_reduce(vec, c.dp_group)
     n = max(float(vec[1]), 1.0)
     return {"reward_mean": float(vec[0]) / n, "accuracy": float(vec[3]) / n,

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_calibclip.fp8.weight_cache import invalidate_weight_caches
+from megatron_calibclip.parallel.devices import collective_device
 from megatron_calibclip.trainer.components import Components
 from megatron_calibclip.trainer.config import WarmupConfig
 from megatron_calibclip.trainer.forward import run_schedule, split_micro_batches, token_logprobs
@@ -32,13 +33,13 @@ def supervised_batch(c: Components, n: int):
         rows.append((list(it.ids), answer + [c.tokenizer.eos_id]))
     p = max(len(a) for a, _ in rows)
     r = max(len(b) for _, b in rows)
-    pad = c.tokenizer.pad_id
-    tokens = torch.full((len(rows), p + r), pad, dtype=torch.long)
-    key_pad = torch.zeros(len(rows), p + r, dtype=torch.bool)
-    mask = torch.zeros(len(rows), p + r - 1, dtype=torch.bool)
+    pad, dev = c.tokenizer.pad_id, c.device
+    tokens = torch.full((len(rows), p + r), pad, dtype=torch.long, device=dev)
+    key_pad = torch.zeros(len(rows), p + r, dtype=torch.bool, device=dev)
+    mask = torch.zeros(len(rows), p + r - 1, dtype=torch.bool, device=dev)
     for i, (prompt, ans) in enumerate(rows):
-        tokens[i, p - len(prompt): p] = torch.tensor(prompt)
-        tokens[i, p: p + len(ans)] = torch.tensor(ans)
+        tokens[i, p - len(prompt): p] = torch.tensor(prompt, device=dev)
+        tokens[i, p: p + len(ans)] = torch.tensor(ans, device=dev)
         key_pad[i, : p - len(prompt)] = True
         mask[i, p - 1: p - 1 + len(ans)] = True
     return tokens, key_pad[:, None, None, :], mask
@@ -55,7 +56,7 @@ def run_warmup(c: Components, cfg: WarmupConfig, log=None) -> list[float]:
     try:
         for step in range(cfg.steps):
             tokens, attn, mask = supervised_batch(c, cfg.prompts_per_step)
-            total = torch.tensor([float(mask.sum())])
+            total = torch.tensor([float(mask.sum())], device=collective_device(c.dp_group))
             dist.all_reduce(total, group=c.dp_group)
             mbs, _ = split_micro_batches({"tokens": tokens, "attention_mask": attn, "mask": mask},
                                          c.cfg.algorithm.micro_batch_size,
@@ -74,7 +75,8 @@ def run_warmup(c: Components, cfg: WarmupConfig, log=None) -> list[float]:
                                     seq_length=tokens.shape[1])
             c.optimizer.step()
             invalidate_weight_caches(c.policy)  # the distributed optimizer writes via .data
-            local = torch.tensor([float(sum(o["loss"] for o in outs)) if outs else 0.0])
+            local = torch.tensor([float(sum(o["loss"] for o in outs)) if outs else 0.0],
+                                 device=collective_device(c.dp_group))
             dist.all_reduce(local, group=c.dp_group)
             losses.append(float(local))
             if log is not None:

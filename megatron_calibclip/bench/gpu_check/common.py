@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from megatron_calibclip.bench.gpu_check.options import ModelShape
+from megatron_calibclip.parallel.devices import HOST
 
 
 def rel_fro(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -65,8 +66,8 @@ def build_emulated_gpt(shape: ModelShape, device: str, seed: Optional[int] = 0):
 
 
 def random_tokens(batch: int, seq: int, vocab: int, device: str, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab, (batch, seq), generator=gen).to(device)
+    gen = torch.Generator(device=HOST).manual_seed(seed)  # the same tokens on any device
+    return torch.randint(1, vocab, (batch, seq), generator=gen, device=HOST).to(device)
 
 
 def token_logprobs(model, cfg, tokens: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 
 from megatron_calibclip.bench.gpu_check.common import error_record, rel_fro
 from megatron_calibclip.bench.gpu_check.options import CheckOptions
+from megatron_calibclip.parallel.devices import HOST
 
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -124,11 +125,12 @@ def _te_tensorwise(x: torch.Tensor) -> dict:
 def check_case(opts: CheckOptions, k: int, granularity: str) -> dict:
     from megatron_calibclip.fp8.scaled_mm import scaled_mm
 
-    gen = torch.Generator().manual_seed(k)
+    gen = torch.Generator(device=HOST).manual_seed(k)  # the same operands on any device
     m, n = opts.gemm_m, opts.gemm_n
-    x = torch.randn(m, k, generator=gen) * torch.linspace(0.05, 4.0, m).unsqueeze(1)
+    x = (torch.randn(m, k, generator=gen, device=HOST)
+         * torch.linspace(0.05, 4.0, m, device=HOST).unsqueeze(1))
     x[:, :: max(k // 7, 1)] *= 20  # outlier channels, as real activations have
-    w = torch.randn(n, k, generator=gen) * 0.02
+    w = torch.randn(n, k, generator=gen, device=HOST) * 0.02
     x, w = x.to(opts.device), w.to(opts.device)
     out: dict = {"m": m, "n": n, "k": k}
     qx, x_codes, x_si = _ours(x, granularity, "activation")
@@ -166,7 +168,8 @@ def run(opts: CheckOptions) -> dict:
                 cases[key] = check_case(opts, k, granularity)
             except Exception as err:  # noqa: BLE001 - one case's failure is its own record
                 cases[key] = {"error": error_record(err), "passed": False}
-    x = torch.randn(opts.gemm_m, opts.k_values[0], generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator(device=HOST).manual_seed(1)
+    x = torch.randn(opts.gemm_m, opts.k_values[0], generator=gen, device=HOST)
     te = _te_tensorwise(x.to(opts.device))
     te_ok = "error" not in te and ("skipped" in te or (
         te["code_mismatch_fraction"] <= THRESHOLDS["code_mismatch_fraction_max"]))
