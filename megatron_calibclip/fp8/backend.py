@@ -7,9 +7,13 @@
   Tensorwise, delayed and rowwise scaling (what `_scaled_mm` takes on every device, CPU
   included); blockwise and mxfp8 need torch's block-scaled kernels and are refused here.
 - `te`: Transformer Engine's layers (fp8/te.py maps the recipe); needs CUDA and TE.
-- `auto`: te with CUDA and TE installed, else torch with CUDA, else emulated.
+- `auto`: te with CUDA and TE installed, else torch with CUDA, else emulated (for a run: te
+  only once the trainer builds TE's layer spec, TRAINER_BUILDS_TE below).
 
-`resolve_backend` says which one a run gets and why (`calibclip info` prints it).
+`resolve_backend` says which one a run gets and why (`calibclip info` prints it); the
+trainer's config calls it, so a backend that cannot run here fails before anything starts.
+A run on the CPU gets the emulation: `torch` is refused there (CPU torch has FP8
+`_scaled_mm`, which the tests compare with the emulation, but no user wants it for a run).
 """
 from __future__ import annotations
 
@@ -32,8 +36,17 @@ def _machine() -> tuple[bool, bool, bool]:
             hasattr(torch, "_scaled_mm"))
 
 
+# The trainer builds its own FP8 linears (the emulated layer spec, whose GEMMs run emulated
+# or through torch._scaled_mm); Transformer Engine's layer spec is not wired into it yet, so
+# `auto` does not pick te for a run, and an explicit `te` is refused at config time.
+TRAINER_BUILDS_TE = False
+
+
 @functools.lru_cache(maxsize=None)
-def _resolve(requested: str, cuda: bool, te: bool, scaled_mm: bool) -> tuple[str, str]:
+def _resolve(requested: str, cuda: bool, te: bool, scaled_mm: bool, *,
+             for_run: bool = True) -> tuple[str, str]:
+    """for_run: what a training run may use (config time); False: what one of our linears
+    can execute here (the tests run the torch backend on CPU against the emulation)."""
     if requested not in BACKEND_VALUES:
         raise ConfigError(f"fp8.backend: {requested!r} is not one of {list(BACKEND_VALUES)}")
     if requested == "emulated":
@@ -42,25 +55,41 @@ def _resolve(requested: str, cuda: bool, te: bool, scaled_mm: bool) -> tuple[str
         if not (cuda and te):
             missing = ", ".join(x for x, ok in (("a CUDA device", cuda), ("transformer-engine", te))
                                 if not ok)
+            instead = "'torch' or 'auto'" if cuda else "'emulated' or 'auto'"
             raise ConfigError(f"fp8.backend: 'te' needs a CUDA device and transformer-engine "
-                              f"(missing here: {missing}); use 'torch' or 'emulated'")
+                              f"(missing here: {missing}); use {instead}")
+        if for_run and not TRAINER_BUILDS_TE:
+            raise ConfigError("fp8.backend: 'te' is not wired into the trainer yet (it builds "
+                              "its own FP8 linears); use 'torch' (real FP8 GEMMs on the GPU) or "
+                              "'auto'")
         return "te", "requested"
     if requested == "torch":
         if not scaled_mm:
             raise ConfigError("fp8.backend: 'torch' needs torch._scaled_mm, which this torch "
                               f"({torch.__version__}) lacks")
+        if for_run and not cuda:
+            raise ConfigError("fp8.backend: 'torch' runs real FP8 GEMMs on a CUDA device and "
+                              "there is none here; use 'emulated' or 'auto' on the CPU")
         return "torch", "requested"
-    if cuda and te:
+    if cuda and te and (TRAINER_BUILDS_TE or not for_run):
         return "te", "auto: CUDA and transformer-engine are available"
     if cuda and scaled_mm:
-        return "torch", "auto: CUDA without transformer-engine, so torch._scaled_mm"
+        why = "CUDA without transformer-engine" if not te else \
+            "CUDA; the trainer's Transformer Engine spec is not wired yet"
+        return "torch", f"auto: {why}, so torch._scaled_mm"
     return "emulated", "auto: no CUDA device, so the CPU emulation"
 
 
 def resolve_backend(requested: str) -> tuple[str, str]:
-    """(backend, why) for `fp8.backend = requested` on this machine; ConfigError if the
-    requested backend cannot run here."""
+    """(backend, why) for a run with `fp8.backend = requested` on this machine; ConfigError
+    (one line) if the requested backend cannot run here."""
     return _resolve(requested, *_machine())
+
+
+def linear_backend(requested: str) -> str:
+    """The backend one of our FP8 linears executes for `requested`: as a run would, except
+    that `torch` also runs on the CPU (torch's CPU _scaled_mm; the tests use it)."""
+    return _resolve(requested, *_machine(), for_run=False)[0]
 
 
 def check_backend_supports(backend: str, granularity: str) -> None:

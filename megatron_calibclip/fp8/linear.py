@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from megatron_calibclip.fp8.backend import check_backend_supports, resolve_backend
+from megatron_calibclip.fp8.backend import check_backend_supports, linear_backend
 from megatron_calibclip.fp8.delayed import AmaxHistory
 from megatron_calibclip.fp8.formats import round_to_bf16
 from megatron_calibclip.fp8.precision import PrecisionState, rounds_activations
@@ -252,7 +252,7 @@ class _EmulatedLinearMixin:
             else None
         backend = "emulated"
         if mode == "fp8":
-            backend, _ = resolve_backend(recipe.backend)
+            backend = linear_backend(recipe.backend)
             if backend == "te":
                 raise ValueError("fp8.backend resolved to 'te', but this model was built with the "
                                  "emulated layer spec; build it with the Transformer Engine spec "

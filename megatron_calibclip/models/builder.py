@@ -114,11 +114,27 @@ def build_gpt_model(
     return model
 
 
-def build_policy_model(cfg: ModelConfig, **kwargs) -> GPTModel:
-    """The trainable policy: fp32 master weights (precision of the GEMMs is a model switch)."""
-    model = build_gpt_model(cfg, **kwargs)
+def build_policy_model(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32,
+                       **kwargs) -> GPTModel:
+    """The trainable policy (precision of the GEMMs is a model switch).
+
+    fp32 params: the optimizer updates them directly and the GEMMs read their bf16 copy.
+    bf16 params: megatron's mixed precision (its optimizer keeps the fp32 main params).
+    """
+    model = build_gpt_model(cfg, params_dtype=params_dtype,
+                            bf16=params_dtype == torch.bfloat16, **kwargs)
+    _cast_parameters(model, params_dtype)
     model.train()
     return model
+
+
+def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every parameter in `dtype`: megatron creates norm weights in fp32 whatever
+    params_dtype says (TE's norms on GPU follow params_dtype; so do ours)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype != dtype:
+                p.data = p.data.to(dtype)
 
 
 def build_reference_model(
@@ -126,9 +142,7 @@ def build_reference_model(
 ) -> GPTModel:
     """The frozen reference policy (KL anchor), held in `dtype` (BF16 by default)."""
     model = build_gpt_model(cfg, params_dtype=dtype, **kwargs)
-    with torch.no_grad():  # norms are created in fp32 whatever params_dtype says
-        for p in model.parameters():
-            p.data = p.data.to(dtype)
+    _cast_parameters(model, dtype)
     model.eval()
     model.requires_grad_(False)
     return model

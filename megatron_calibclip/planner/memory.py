@@ -15,7 +15,7 @@ from megatron_calibclip.planner import activations as act
 from megatron_calibclip.planner.params import check_layout, stage_params
 from megatron_calibclip.planner.rollout import kv_cache_bytes, prefill_logits_bytes
 from megatron_calibclip.planner.spec import GIB, Hardware, Layout, Workload
-from megatron_calibclip.planner.states import ModelStates, model_states
+from megatron_calibclip.planner.states import DTYPE_BYTES, ModelStates, model_states
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,10 @@ def _stage(m: ModelConfig, layout: Layout, w: Workload, stage: int) -> StageMemo
     if last:
         fwd += act.output_bytes(m, w.seq_len, w.logprob_micro_batch, tp, sp)
     if layout.offload_reference:
-        fwd += 2.0 * sp_.total  # the reference comes back for its own log-prob pass
+        # the reference comes back for its own log-prob pass
+        fwd += DTYPE_BYTES[layout.reference_dtype] * sp_.total
     kv = kv_cache_bytes(m, sp_.layers, tp, w.rollout_batch, w.seq_len,
-                        1 if layout.kv_cache_dtype == "fp8" else 2)
+                        DTYPE_BYTES[layout.kv_cache_dtype])
     gen = kv + layer.bytes(w.prompt_len, w.rollout_batch, tp, sp, "none")
     if last:
         gen += prefill_logits_bytes(m, tp, w.rollout_batch, w.prompt_len)

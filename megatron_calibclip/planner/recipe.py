@@ -8,7 +8,8 @@ in a header comment that launch/submit.sh also reads:
     # sbatch: --nodes=4 --gpus-per-node=8 --time=24:00:00
 
 What the trainer does today fixes the rest: no sequence parallelism, no activation
-recomputation (models/builder.py), FP32 gradient reduction (trainer/components.py).
+recomputation (models/builder.py), FP32 gradient reduction (trainer/components.py), a KV
+cache in the parameters' dtype (megatron allocates it from the K/V tensors).
 """
 from __future__ import annotations
 
@@ -89,11 +90,20 @@ def read_recipe(path: str | Path, overrides: Sequence[str] = ()) -> RecipePlan:
     micro = alg("micro_batch_size")
     per_rank = prompts * group // alg("mini_batches") / dp
     precision = str(_get(cfg, "precision", "fp8"))
+    # a recipe runs on GPUs, where params_dtype `auto` is bf16 (trainer/config.py)
+    params = str(_get(cfg, "model.params_dtype", "auto"))
+    params = "bf16" if params == "auto" else params
+    reference = str(_get(cfg, "model.reference_dtype", "bf16"))
+    for field, value in (("model.params_dtype", params), ("model.reference_dtype", reference)):
+        if value not in ("bf16", "fp32"):
+            raise ConfigError(f"{path}: {field} {value!r} is not one of bf16, fp32 (or auto)")
     layout = Layout(
         tp=tp, pp=pp, dp=dp, sequence_parallel=False, recompute="none",
         distributed_optimizer=bool(_get(cfg, "optimizer.distributed", False)) and dp > 1,
         offload_reference=bool(_get(cfg, "model.offload_reference", False)),
-        precision="fp8" if precision == "fp8" else "bf16")
+        precision="fp8" if precision == "fp8" else "bf16",
+        params_dtype=params, reference_dtype=reference,
+        kv_cache_dtype=params)  # megatron sizes the KV cache from the K/V dtype
     workload = Workload(
         seq_len=prompt_len + response, prompt_len=prompt_len, micro_batch=micro,
         logprob_micro_batch=alg("logprob_micro_batch_size"),

@@ -11,6 +11,7 @@ from typing import Any
 from megatron_calibclip.models.config import ModelConfig
 from megatron_calibclip.planner.memory import Estimate, estimate
 from megatron_calibclip.planner.spec import GIB
+from megatron_calibclip.planner.states import DTYPE_BYTES
 
 
 def gib(x: float) -> str:
@@ -53,13 +54,14 @@ def breakdown(m: ModelConfig, e: Estimate) -> str:
         f"{e.model}: {lay.describe()}, {lay.precision.upper()} GEMMs",
         f"  most loaded GPU: pipeline stage {s.stage} of {lay.pp} ({s.layers} layers, "
         f"{s.params / 1e9:.2f}B parameters)",
-        row("policy weights (BF16)", st.weights),
+        row(f"policy weights ({lay.params_dtype})", st.weights),
         row("FP8 weight + transpose caches", st.fp8_caches),
         row(f"gradient buffer ({lay.grad_dtype})", st.grads),
-        row("optimizer (FP32 master + Adam m, v)", st.optimizer,
+        row("optimizer (FP32 master + Adam m, v)" if lay.params_dtype == "bf16"
+            else "optimizer (Adam m, v)", st.optimizer,
             f"distributed optimizer {'on' if lay.distributed_optimizer else 'off'}; "
             f"{'off' if lay.distributed_optimizer else 'on'}: {alt_opt / GIB:.1f} GiB"),
-        row("BF16 reference model", 2.0 * s.params,
+        row(f"reference model ({lay.reference_dtype})", DTYPE_BYTES[lay.reference_dtype] * s.params,
             "offloaded: on the GPU only for its log-prob pass" if lay.offload_reference
             else "resident"),
         row(f"update activations (mb {w.micro_batch}, seq {w.seq_len})", s.update,

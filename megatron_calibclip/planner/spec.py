@@ -15,6 +15,7 @@ from megatron_calibclip.config import ConfigError
 Recompute = Literal["none", "selective", "full"]
 Precision = Literal["bf16", "fp8"]
 GradDtype = Literal["fp32", "bf16"]
+ParamsDtype = Literal["bf16", "fp32"]
 
 GIB = 1024**3
 # NVIDIA H100 SXM5 80GB as the driver reports it (nvidia-smi: 81559 MiB)
@@ -67,7 +68,13 @@ class Layout:
     offload_reference: bool = False  # BF16 reference on CPU except during its log-prob pass
     precision: Precision = "fp8"  # trainer GEMMs: FP8 adds weight caches, saves FP8 inputs
     grad_dtype: GradDtype = "fp32"  # main-gradient buffer (Megatron default: fp32)
-    kv_cache_dtype: Literal["bf16", "fp8"] = "bf16"  # rollout KV cache element type
+    # rollout KV cache element type: the trainer's follows the parameters (bf16, or fp32 with
+    # fp32 parameters); fp8 is a what-if (megatron-core's static KV cache has no FP8 form)
+    kv_cache_dtype: Literal["bf16", "fp8", "fp32"] = "bf16"
+    # policy parameters (model.params_dtype): bf16 = megatron mixed precision (fp32 main params
+    # in the optimizer), fp32 = the params are the masters (no separate copy)
+    params_dtype: ParamsDtype = "bf16"
+    reference_dtype: ParamsDtype = "bf16"  # the frozen reference model (model.reference_dtype)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):

@@ -28,7 +28,6 @@ from megatron_calibclip.data import (
     train_sentencepiece,
 )
 from megatron_calibclip.fp8 import precision, set_precision
-from megatron_calibclip.fp8.backend import check_backend_supports, resolve_backend
 from megatron_calibclip.models import (
     ModelConfig,
     build_policy_model,
@@ -129,13 +128,6 @@ def _reward_fn(cfg: TrainConfig):
 
 def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
     """Build models, optimizer, data, rollout engine and clipper on this rank."""
-    for section, recipe in (("fp8", cfg.fp8), ("rollout.fp8", cfg.rollout_recipe)):
-        backend, _ = resolve_backend(recipe.backend)  # ConfigError if it cannot run here
-        if backend == "te":
-            raise ConfigError(f"{section}.backend: resolved to 'te', which the trainer does not "
-                              f"build yet (it builds the emulated layer spec); set it to 'torch' "
-                              f"or 'emulated'")
-        check_backend_supports(backend, recipe.granularity)
     if cfg.run.checkpoint and cfg.optimizer.distributed and not torch.cuda.is_available():
         raise ConfigError(
             "optimizer.distributed: checkpointing megatron's distributed optimizer does not "
@@ -167,7 +159,9 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
         heldout = heldout_prompts(cfg, records, tokenizer)
 
     spec = emulated_layer_spec(model_cfg)
+    bf16_params = cfg.model.resolved_params_dtype() == "bf16"
     policy = build_policy_model(model_cfg, spec=spec, seed=cfg.run.seed,
+                                params_dtype=torch.bfloat16 if bf16_params else torch.float32,
                                 calculate_per_token_loss=True)
     policy.config.finalize_model_grads_func = finalize_model_grads
     if cfg.model.load is not None:
@@ -192,7 +186,7 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=o.lr, weight_decay=o.weight_decay,
                         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                        clip_grad=o.clip_grad, bf16=False, fp16=False,
+                        clip_grad=o.clip_grad, bf16=bf16_params, fp16=False,
                         use_distributed_optimizer=o.distributed),
         [ddp],
     )

@@ -56,6 +56,19 @@ class ModelSection:
     load: Optional[str] = None
     reference_dtype: Literal["bf16", "fp32"] = "bf16"  # the frozen reference model's dtype
     offload_reference: bool = False  # keep the reference on CPU between uses (GPU runs)
+    # the policy's parameter dtype. bf16: megatron's mixed precision as clusters run it (bf16
+    # params, fp32 main params and fp32 gradient reduction in its optimizer); fp32: fp32
+    # params whose bf16 copy the GEMMs read (the emulation's flow, same numbers, and the
+    # only one with fp32 GEMMs); auto: bf16 with CUDA, else fp32
+    params_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+
+    def resolved_params_dtype(self) -> str:
+        """'bf16' or 'fp32': what `params_dtype` means on this machine."""
+        if self.params_dtype != "auto":
+            return self.params_dtype
+        import torch
+
+        return "bf16" if torch.cuda.is_available() else "fp32"
 
     def __post_init__(self) -> None:
         from megatron_calibclip.models import PRESETS, get_preset
@@ -245,6 +258,16 @@ class TrainConfig:
             raise ConfigError("micro batch sizes must be >= 1")
         if self.data.source == "jsonl" and not self.data.path:
             raise ConfigError("data.path is required when data.source is 'jsonl'")
+        self._check_fp8_backends()
+        if self.model.resolved_params_dtype() == "bf16":
+            for path, value in (("precision", self.precision),
+                                ("rollout.precision", self.rollout.precision),
+                                ("clipping.calibration.shadow_precision",
+                                 self.clipping.calibration.shadow_precision)):
+                if value == "fp32":
+                    raise ConfigError(f"{path}: 'fp32' GEMMs need fp32 parameters, but "
+                                      f"model.params_dtype is bf16 here; set model.params_dtype "
+                                      f"to fp32 or {path} to bf16/fp8")
         if self.model.load is None:  # a loaded checkpoint's architecture is checked when read
             from megatron_calibclip.models import get_preset
 
@@ -257,6 +280,19 @@ class TrainConfig:
             _need(m.num_layers % self.parallel.pp == 0, "parallel.pp", self.parallel.pp,
                   f"a divisor of model.num_layers ({m.num_layers})")
 
+
+    def _check_fp8_backends(self) -> None:
+        """A backend this machine cannot run, or one that cannot run the recipe, fails here
+        (one line), not at the first FP8 forward."""
+        from megatron_calibclip.fp8.backend import check_backend_supports, resolve_backend
+
+        for section, recipe in (("fp8", self.fp8), ("rollout.fp8", self.rollout_recipe)):
+            try:
+                backend, _ = resolve_backend(recipe.backend)
+                check_backend_supports(backend, recipe.granularity)
+            except ConfigError as err:  # name the section the recipe came from
+                message = str(err).removeprefix("fp8.backend")
+                raise ConfigError(f"{section}.backend{message}") from None
 
     @property
     def rollout_recipe(self) -> FP8Recipe:

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.dist
 CFG = merge(TINY_TRAIN, {"run": {"tensorboard": False, "plot": False}, "warmup": {"steps": 2}})
 
 
-def _body(rank, world_size, out_dir, k):
+def _body(rank, world_size, out_dir, k, params_dtype):
     from megatron_calibclip.checkpoint.trainer_seam import TrainerCheckpointer
     from megatron_calibclip.config import from_dict
     from megatron_calibclip.trainer import TrainConfig, train
@@ -30,11 +30,12 @@ def _body(rank, world_size, out_dir, k):
                 "reference": full_state(components.reference, cfg.num_layers, cfg.vocab_size,
                                         False)}
 
-    straight_cfg = merge(CFG, {"run": {"name": "straight", "output_dir": out_dir}})
+    base = merge(CFG, {"model": {"params_dtype": params_dtype}})
+    straight_cfg = merge(base, {"run": {"name": "straight", "output_dir": out_dir}})
     straight = train(from_dict(TrainConfig, straight_cfg),
                      checkpointer=Capturing(f"{out_dir}/straight-ckpt"))["records"]
     final = captured.pop(CFG["run"]["steps"] - 1)
-    resumed_cfg = merge(CFG, {"run": {"name": "resumed", "output_dir": out_dir}})
+    resumed_cfg = merge(base, {"run": {"name": "resumed", "output_dir": out_dir}})
     ckpt = f"{out_dir}/resumed-ckpt"
     first = train(from_dict(TrainConfig, merge(resumed_cfg, {"run": {"steps": k}})),
                   checkpointer=Capturing(ckpt))["records"]
@@ -48,9 +49,10 @@ def _numbers(record):
             for key, value in record.items() if not key.startswith("time/")}
 
 
-def test_trainer_resume_matches_uninterrupted_run(dist_pool, tmp_path):
+@pytest.mark.parametrize("params_dtype", ["fp32", "bf16"])  # bf16: megatron's fp32 main params
+def test_trainer_resume_matches_uninterrupted_run(dist_pool, tmp_path, params_dtype):
     k, n = 2, CFG["run"]["steps"]
-    results = dist_pool(2).run(_body, str(tmp_path), k, timeout=600)
+    results = dist_pool(2).run(_body, str(tmp_path), k, params_dtype, timeout=600)
     for straight, first, second, final_straight, final_resumed in results:
         assert [r["step"] for r in second] == list(range(k, n))
         assert [_numbers(r) for r in first + second] == [_numbers(r) for r in straight]

@@ -2,6 +2,8 @@
 our quantizer's codes) against the emulation, GEMM by GEMM and through the tiny GPT at TP=2."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -12,22 +14,58 @@ from megatron_calibclip.fp8.quantize import quantize
 from megatron_calibclip.fp8.scaled_mm import scaled_mm
 
 
+# (requested, CUDA, TE installed) -> backend a run gets; the trainer does not build TE's
+# layer spec yet (TRAINER_BUILDS_TE), so `auto` takes torch on a GPU with TE
 @pytest.mark.parametrize("requested, cuda, te, expected", [
-    ("auto", True, True, "te"), ("auto", True, False, "torch"), ("auto", False, True, "emulated"),
-    ("auto", False, False, "emulated"), ("torch", False, False, "torch"),
-    ("emulated", True, True, "emulated"), ("te", True, True, "te"),
+    ("auto", True, True, "torch"), ("auto", True, False, "torch"), ("auto", False, True, "emulated"),
+    ("auto", False, False, "emulated"), ("torch", True, False, "torch"),
+    ("emulated", True, True, "emulated"),
 ])
-def test_resolution(requested, cuda, te, expected):
+def test_resolution_for_a_run(requested, cuda, te, expected):
     backend, why = _resolve(requested, cuda, te, True)
     assert backend == expected and why
 
 
-@pytest.mark.parametrize("cuda, te, missing", [(False, True, "a CUDA device"),
-                                               (True, False, "transformer-engine"),
-                                               (False, False, "a CUDA device, transformer-engine")])
-def test_te_without_its_requirements_is_refused(cuda, te, missing):
-    with pytest.raises(ConfigError, match=f"missing here: {missing}\\)"):
-        _resolve("te", cuda, te, True)
+def test_resolution_for_a_linear():
+    """One of our linears runs torch on the CPU too (what the tests below use), and would take
+    te on a GPU with TE when asked by a model built with TE's spec."""
+    assert _resolve("torch", False, False, True, for_run=False)[0] == "torch"
+    assert _resolve("auto", True, True, True, for_run=False)[0] == "te"
+    assert _resolve("auto", False, True, True, for_run=False)[0] == "emulated"
+
+
+@pytest.mark.parametrize("requested, cuda, te, message", [
+    ("te", False, True, "missing here: a CUDA device); use 'emulated' or 'auto'"),
+    ("te", True, False, "missing here: transformer-engine); use 'torch' or 'auto'"),
+    ("te", False, False, "missing here: a CUDA device, transformer-engine)"),
+    ("te", True, True, "'te' is not wired into the trainer yet"),
+    ("torch", False, True, "'torch' runs real FP8 GEMMs on a CUDA device and there is none"),
+])
+def test_backends_a_run_cannot_use_are_refused(requested, cuda, te, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _resolve(requested, cuda, te, True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU machine answers")
+def test_on_the_cpu_a_training_config_takes_emulated_and_refuses_te_and_torch():
+    """Issue 11's must-show, through the config a user writes: auto -> emulated; te and torch
+    fail when the config is read, each with one line that says why."""
+    from megatron_calibclip.config import from_dict
+    from megatron_calibclip.trainer import TrainConfig
+    from megatron_calibclip.fp8.backend import resolve_backend
+
+    assert resolve_backend("auto")[0] == "emulated"
+    assert from_dict(TrainConfig, {"fp8": {"backend": "auto"}}).fp8.backend == "auto"
+    for section in ("fp8", "rollout.fp8"):
+        for backend, why in (("te", "needs a CUDA device and transformer-engine"),
+                             ("torch", "runs real FP8 GEMMs on a CUDA device")):
+            cfg = {"fp8": {"backend": backend}} if section == "fp8" else \
+                {"rollout": {"fp8": {"backend": backend}}}
+            with pytest.raises(ConfigError) as err:
+                from_dict(TrainConfig, cfg)
+            text = str(err.value)
+            assert text.startswith(f"{section}.backend: '{backend}'") and why in text
+            assert "\n" not in text
 
 
 def test_bad_values_are_refused():

@@ -60,7 +60,8 @@ def train_config(opts: CheckOptions, precision: str, folder: Path, prompts: Path
                      "calibration": {"period": opts.grpo_calibration_period}},
         "optimizer": {"lr": 1e-5},
         "precision": precision,
-        "fp8": {"format": "hybrid", "granularity": "tensorwise", "backend": "torch"},
+        # auto: torch._scaled_mm on a GPU, the emulation on the CPU (--smoke)
+        "fp8": {"format": "hybrid", "granularity": "tensorwise", "backend": "auto"},
     })
 
 
