@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_calibclip.config import ConfigError
 from megatron_calibclip.models.config import get_preset
 from megatron_calibclip.planner import crosscheck
 from megatron_calibclip.planner.activations import for_model, paper_gpt
@@ -192,6 +193,30 @@ def test_each_recipe_is_a_valid_train_config(recipe):
     cfg = load_train_config(str(recipe), [])
     assert cfg.run.name == recipe.stem and cfg.precision == "fp8"
     assert cfg.algorithm.prompts_per_step % read_recipe(recipe).layout.dp == 0
+
+
+def test_the_recipes_are_the_bundled_configs():
+    """One copy of each H100 recipe: launch/recipes/ links to the package's configs."""
+    for recipe in RECIPES:
+        assert recipe.is_symlink(), recipe
+        assert recipe.resolve() == REPO / "megatron_calibclip" / "configs" / recipe.name
+
+
+@pytest.mark.xfail(strict=True, raises=ConfigError,
+                   reason="blockwise FP8 on a GPU needs TE's spec in the trainer "
+                          "or torch's block-scaled GEMMs (issue 11 item 3)")
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("te", [True, False], ids=["with-te", "without-te"])
+def test_each_recipe_can_run_on_an_h100(recipe, te):
+    """What the config check answers on an H100 node (CUDA, torch._scaled_mm), with and
+    without Transformer Engine installed."""
+    from megatron_calibclip.cli import load_train_config
+    from megatron_calibclip.fp8.backend import _resolve, check_backend_supports
+
+    cfg = load_train_config(str(recipe), [])
+    for fp8 in (cfg.fp8, cfg.rollout_recipe):
+        backend, _ = _resolve(fp8.backend, True, te, True)
+        check_backend_supports(backend, fp8.granularity)
 
 
 # --- command line ------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ import pytest
 from megatron_calibclip.cli import load_train_config, main
 from megatron_calibclip.config import ConfigError
 
-BUNDLED = ["tiny-cpu", "smollm2-135m-cpu", "grpo-qwen3-8b-h100", "dapo-qwen3-8b-h100", "grpo-qwen3-14b-h100", "dapo-qwen3-14b-h100",
-           "grpo-qwen2.5-32b-h100", "dapo-qwen3-32b-h100"]
+BUNDLED = ["tiny-cpu", "smollm2-135m-cpu"] + [f"qwen3-{size}-{algorithm}" for size in
+                                               ("8b", "14b", "32b")
+                                               for algorithm in ("grpo", "dapo")]
 
 
 @pytest.mark.parametrize("name", BUNDLED)
