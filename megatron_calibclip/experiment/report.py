@@ -1,4 +1,5 @@
-"""`calibclip experiment report`: the arms overlaid in one figure, and a table per arm.
+"""`calibclip experiment report`: the arms overlaid in one figure, and tables of the arms
+(first/last means, 10-step windows side by side, held-out accuracy).
 
 Reads only the committed `<arm>/metrics.jsonl` files, so the figure and the table regenerate
 anywhere with one command. The table goes between two marker lines of the document
@@ -104,6 +105,57 @@ def summary_table(arms: dict[str, list[dict]], window: int = WINDOW) -> str:
                               f"before the first and after the last update.")
 
 
+STEP_WINDOW = 10  # width of the windows in the per-window table
+WINDOW_COLUMNS = [("reward_mean", "reward", 2), ("loss/entropy_mean", "entropy", 3),
+                  ("loss/clipfrac_lower", "clipped A<0", 3),
+                  ("loss/phantom_clipfrac", "phantom A<0", 3),
+                  ("loss/shadow_clipfrac_lower", "BF16 shadow clipped A<0", 3),
+                  ("loss/mult_prob_error", "mult. prob. error", 2),
+                  ("response_length_mean", "length", 1)]
+
+
+def window_means(records: list[dict], key: str, width: int = STEP_WINDOW
+                 ) -> dict[int, Optional[float]]:
+    """{first step of the window: mean of `key` over the window's finite values}."""
+    last = max((r["step"] for r in records), default=-1)
+    series = _values(records, key)
+    return {start: _mean([p for p in series if start <= p[0] < start + width])
+            for start in range(0, last + 1, width)}
+
+
+def window_table(arms: dict[str, list[dict]], width: int = STEP_WINDOW) -> str:
+    """Markdown: one row per `width`-step window, each column the arms side by side."""
+    names = list(arms)
+    head = "| steps | " + " | ".join(f"{label} ({' / '.join(names)})"
+                                     for _, label, _ in WINDOW_COLUMNS) + " |"
+    rows = [head, "|" + "---|" * (len(WINDOW_COLUMNS) + 1)]
+    means = {(arm, key): window_means(recs, key, width)
+             for arm, recs in arms.items() for key, _, _ in WINDOW_COLUMNS}
+    starts = sorted({s for m in means.values() for s in m})
+    for start in starts:
+        cells = [" / ".join(_fmt(means[(arm, key)].get(start), digits) for arm in names)
+                 for key, _, digits in WINDOW_COLUMNS]
+        rows.append(f"| {start}-{start + width - 1} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + f"\n\n{width}-step means per arm (n/a: not measured in that arm)."
+
+
+def heldout_table(arms: dict[str, list[dict]]) -> str:
+    """Markdown: held-out greedy accuracy of each arm after each number of updates."""
+    points = {arm: dict(heldout(recs)) for arm, recs in arms.items()}
+    updates = sorted({u for p in points.values() for u in p})
+    rows = ["| arm | " + " | ".join(str(int(u)) for u in updates) + " |",
+            "|" + "---|" * (len(updates) + 1)]
+    for arm, p in points.items():
+        rows.append(f"| {arm} | " + " | ".join(_fmt(p.get(u), 2) for u in updates) + " |")
+    return "\n".join(rows) + ("\n\nHeld-out greedy accuracy (in the arm's rollout precision) "
+                              "after the number of updates in the header.")
+
+
+def report_tables(arms: dict[str, list[dict]]) -> str:
+    """Everything `report` writes between the markers: summary, windows, held-out."""
+    return "\n\n".join((summary_table(arms), window_table(arms), heldout_table(arms)))
+
+
 def _rolling(ys: list[float], n: int) -> list[float]:
     return [sum(ys[max(0, i - n + 1): i + 1]) / len(ys[max(0, i - n + 1): i + 1])
             for i in range(len(ys))]
@@ -170,7 +222,7 @@ def run_report(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     png = plot_arms(arms, Path(args.figure))
-    table = summary_table(arms)
+    table = report_tables(arms)
     print(table)
     print(f"figure: {png}")
     if args.doc:

@@ -7,8 +7,10 @@ import pytest
 
 from megatron_calibclip.config import ConfigError
 from megatron_calibclip.experiment.arms import load_experiment
-from megatron_calibclip.experiment.report import (BEGIN, END, arm_summary, heldout, load_arms,
-                                                  plot_arms, summary_table, write_table)
+from megatron_calibclip.experiment.report import (BEGIN, END, arm_summary, heldout, heldout_table,
+                                                  load_arms,
+                                                  plot_arms, summary_table, window_table,
+                                                  write_table)
 from megatron_calibclip.experiment.reproduce import arm_command, collect_metrics
 
 GOOD = """
@@ -108,6 +110,21 @@ def test_summary_matches_means_computed_here(tmp_path):
     assert f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}" in rows[0]
 
 
+def test_window_and_heldout_tables_match_means_computed_here():
+    a, b = _records(0.0), _records(0.5)
+    table = window_table({"a": a, "b": b})
+    rows = {line.split(" | ")[0]: line for line in table.splitlines() if line.startswith("| ")}
+    assert set(rows) >= {"| 0-9", "| 10-19", "| 20-29"}
+    reward_10 = sum(0.1 + 0.01 * s for s in range(10, 20)) / 10
+    assert f"| {reward_10:.2f} / {reward_10 + 0.5:.2f} |" in rows["| 10-19"]
+    phantom = rows["| 0-9"].split(" | ")[4]  # step 5 unmeasured: 9 values of 0.01
+    assert phantom == "0.010 / 0.010"
+    assert " n/a / n/a " in rows["| 0-9"]  # no BF16 shadow measured in these records
+    held = heldout_table({"a": a, "b": b}).splitlines()
+    assert held[0] == "| arm | 0 | 10 | 20 | 30 |"
+    assert held[2] == "| a | 0.30 | 0.40 | 0.50 | 0.70 |"
+
+
 def test_report_collects_plots_and_fills_the_doc(tmp_path, capsys):
     from megatron_calibclip.cli import main
 
@@ -127,6 +144,7 @@ def test_report_collects_plots_and_fills_the_doc(tmp_path, capsys):
     text = doc.read_text()
     assert "old table" not in text and text.startswith("# Reading\nbefore\n")
     assert text.rstrip().endswith("after") and "| fp8-tis | 30 |" in text
+    assert "| 20-29 |" in text and "| bf16 | 0.30 | 0.40 | 0.50 | 0.70 |" in text
     assert png.stat().st_size > 10_000
     assert not write_table(_write(tmp_path, "no markers", "x.md"), "t")
     assert main(["experiment", "report", "--metrics-dir", str(tmp_path / "none"),
