@@ -2,10 +2,12 @@
 
 - `emulated`: fp32 GEMMs on dequantized operands (fp8/linear.py); runs anywhere, the CPU
   reference for every numeric path.
-- `torch`: real FP8 GEMMs through `torch._scaled_mm`, fed by the same quantizer
-  (fp8/quantize.py) the emulation uses, so codes and scales are identical by construction.
-  Tensorwise, delayed and rowwise scaling (what `_scaled_mm` takes on every device, CPU
-  included); blockwise and mxfp8 need torch's block-scaled kernels and are refused here.
+- `torch`: real FP8 GEMMs through `torch._scaled_mm`, forward and backward (dgrad, and the
+  wgrad when fp8_wgrad is on), fed by the same quantizer (fp8/quantize.py) the emulation
+  uses, so codes and scales are identical by construction. Tensorwise, delayed and rowwise
+  scaling (what `_scaled_mm` takes on every device, CPU included; the dtype pairs and
+  layouts each device accepts are in fp8/scaled_mm.py); blockwise and mxfp8 need torch's
+  block-scaled kernels and are refused here.
 - `te`: Transformer Engine's layers (fp8/te.py maps the recipe); needs CUDA and TE.
 - `auto`: te with CUDA and TE installed, else torch with CUDA, else emulated (for a run: te
   only once the trainer builds TE's layer spec, TRAINER_BUILDS_TE below).

@@ -15,14 +15,21 @@ The emulated GEMM does what the hardware does, in fp32 on CPU:
 - fp8: the bf16 input and the weight (its bf16 copy under weight_source "bf16", the
   default, as TE quantizes it with fp8_param off; the fp32 master under "fp32") quantized
   per the recipe (scales per TP shard: each rank sees only its shard, as each GPU would),
-  product of the dequantized values accumulated in fp32, output rounded to bf16. With
-  fp8.backend "torch" the forward GEMM is a real FP8 GEMM (torch._scaled_mm) on the same
-  codes and scales; the backward stays emulated. The weight's operands (its bf16 copy, its
-  FP8 codes) are computed once and reused until the master weight changes
-  (fp8/weight_cache.py, as TE caches FP8 weights between micro-batches). Backward, as
-  Transformer Engine: the output gradient is quantized (E5M2 under "hybrid"), dgrad uses
-  the weight quantized along the output dim, wgrad the input quantized along the token dim
-  (both saved from the forward).
+  product of the dequantized values accumulated in fp32, output rounded to bf16. The
+  weight's operands (its bf16 copy, its FP8 codes, its dgrad copy) are computed once and
+  reused until the master weight changes (fp8/weight_cache.py, as TE caches FP8 weights
+  between micro-batches). Backward, as Transformer Engine: the output gradient is quantized
+  (E5M2 under "hybrid"; delayed scaling records its amax once per backward), dgrad uses the
+  weight quantized along the output dim, wgrad the gradient and the input quantized along
+  the token dim (the input's copy saved from the forward); with fp8_wgrad off the wgrad is a
+  BF16 GEMM.
+- fp8.backend "torch": the same three GEMMs are real FP8 GEMMs (torch._scaled_mm,
+  fp8/scaled_mm.py) on the same codes and scales: forward x . W, dgrad dY . W^T-copy,
+  wgrad dY^T . X^T-copy, every operand quantized along its GEMM's reduction dim, so rowwise
+  scales are always along the axis _scaled_mm needs and no GEMM falls back to the
+  emulation; only a BF16 wgrad (fp8_wgrad off) stays the emulation's BF16 GEMM. On the CPU
+  (no AMX) torch's _scaled_mm dequantizes and multiplies as the emulation does, so the
+  backends agree bit for bit (tests/fp8/test_backend.py).
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ from megatron_calibclip.fp8.formats import round_to_bf16
 from megatron_calibclip.fp8.precision import PrecisionState, rounds_activations
 from megatron_calibclip.fp8.quantize import Quantized, quantize, quantize_dequantize, same_both_ways
 from megatron_calibclip.fp8.recipe import ROLE_VALUES, FP8Recipe
-from megatron_calibclip.fp8.scaled_mm import scaled_mm
+from megatron_calibclip.fp8.scaled_mm import Fp8Operand, fp8_gemm, fp8_operand, scaled_mm
 from megatron_calibclip.fp8.weight_cache import WeightCache
 
 
@@ -58,6 +65,13 @@ def _wgrad_operand(t: torch.Tensor, tq: torch.Tensor, recipe, role: str) -> torc
     return _transposed_copy(t, tq, recipe, role) if recipe.fp8_wgrad else round_to_bf16(t)
 
 
+def _wgrad_fp8(t: torch.Tensor, q: Quantized, recipe, role: str) -> Fp8Operand:
+    """The torch backend's FP8 wgrad operand: the same copy as `_transposed_copy` (quantized
+    along the token dim, the wgrad's reduction dim), as codes [features, tokens]."""
+    tq = q if same_both_ways(recipe, role) else quantize(t, recipe, role, axis=0)
+    return fp8_operand(tq, 0, recipe.granularity)
+
+
 @dataclass
 class _Gemm:
     """What one emulated GEMM call needs besides its tensors."""
@@ -65,7 +79,7 @@ class _Gemm:
     mode: str  # "bf16" or "fp8"
     recipe: Optional[FP8Recipe]
     states: Optional[dict[str, AmaxHistory]]  # delayed scaling only
-    backend: str = "emulated"  # fp8 forward GEMM: "emulated" (fp32 math) or "torch" (_scaled_mm)
+    backend: str = "emulated"  # fp8 GEMMs: "emulated" (fp32 math) or "torch" (_scaled_mm)
     weights: Optional[WeightCache] = None  # the layer's cached weight operands
 
 
@@ -95,31 +109,39 @@ class _EmulatedLinearFunction(torch.autograd.Function):
         b = round_to_bf16(b) if (b is not None and bf16_io) else b
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x_for_wgrad = w_for_dgrad = None
+        x_fp8 = w_fp8 = Fp8Operand(None, None)  # the torch backend's wgrad / dgrad operands
         if gemm.mode == "bf16":
             wf = gemm.weights.operands(weight, None).forward_copy
             out = x2 @ wf.t()
             x_for_wgrad, w_for_dgrad = x2, wf
         else:
             recipe = gemm.recipe
-            if gemm.backend == "torch":  # a real FP8 GEMM on the same codes and scales
+            if gemm.backend == "torch":  # real FP8 GEMMs on the same codes and scales
                 qx = _q(x2, gemm, "activation", -1)
                 ops = gemm.weights.operands(weight, recipe, _state(gemm, "weight"))
-                xf, wf = qx.dequantize(x2.dtype), ops.forward_copy
-                out = scaled_mm(qx, ops.quantized, x2.shape[0], wf.shape[0], recipe.granularity)
+                out = scaled_mm(qx, ops.quantized, x2.shape[0], ops.forward_copy.shape[0],
+                                recipe.granularity)
+                if need_wgrad and recipe.fp8_wgrad:
+                    x_fp8 = _wgrad_fp8(x2, qx, recipe, "activation")
+                elif need_wgrad:
+                    x_for_wgrad = round_to_bf16(x2)  # BF16 wgrad, as the emulation's
+                if need_dgrad:
+                    w_fp8 = ops.dgrad_operand()
             else:
                 xf = _qd(x2, gemm, "activation", -1)
                 ops = gemm.weights.operands(weight, recipe, _state(gemm, "weight"))
                 wf = ops.forward_copy
                 out = xf @ wf.t()
-            if need_wgrad:
-                x_for_wgrad = _wgrad_operand(x2, xf, recipe, "activation")
-            if need_dgrad:
-                w_for_dgrad = ops.dgrad_copy()
+                if need_wgrad:
+                    x_for_wgrad = _wgrad_operand(x2, xf, recipe, "activation")
+                if need_dgrad:
+                    w_for_dgrad = ops.dgrad_copy()
         if b is not None:
             out = out + b
         if bf16_io:
             out = round_to_bf16(out)  # the GEMM's bf16 output (TE's FP8 GEMMs output bf16 too)
-        ctx.save_for_backward(x_for_wgrad, w_for_dgrad)
+        ctx.save_for_backward(x_for_wgrad, w_for_dgrad, x_fp8.codes, x_fp8.scale, w_fp8.codes,
+                              w_fp8.scale)
         ctx.gemm = gemm
         ctx.has_bias = bias is not None
         ctx.b_dtype = bias.dtype if bias is not None else None
@@ -130,32 +152,67 @@ class _EmulatedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_for_wgrad, w_for_dgrad = ctx.saved_tensors
+        x_for_wgrad, w_for_dgrad, x_codes, x_scale, w_codes, w_scale = ctx.saved_tensors
         gemm: _Gemm = ctx.gemm
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).float()
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_x = grad_w = grad_b = None
-        if gemm.mode == "bf16":
-            gb = round_to_bf16(g2)
-            g_dgrad = g_wgrad = gb
+        grad_b = None
+        if gemm.mode == "fp8" and gemm.backend == "torch":
+            grad_x, grad_w = _scaled_mm_grads(g2, gemm, x_for_wgrad, Fp8Operand(x_codes, x_scale),
+                                              Fp8Operand(w_codes, w_scale), need_dgrad,
+                                              need_wgrad)
         else:
-            recipe = gemm.recipe
-            g_dgrad = _qd(g2, gemm, "grad", -1)  # the one (delayed) update of the grad amax
-            g_wgrad = _wgrad_operand(g2, g_dgrad, recipe, "grad") if need_wgrad else None
+            grad_x, grad_w = _emulated_grads(g2, gemm, x_for_wgrad, w_for_dgrad, need_dgrad,
+                                             need_wgrad)
         if need_dgrad:
-            grad_x = g_dgrad @ w_for_dgrad
-            if gemm.mode == "bf16":
-                grad_x = round_to_bf16(grad_x)
             if ctx.allreduce_dgrad:
                 dist.all_reduce(grad_x, group=ctx.tp_group)
                 if gemm.mode == "bf16":
                     grad_x = round_to_bf16(grad_x)
             grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
         if need_wgrad:
-            grad_w = (g_wgrad.t() @ x_for_wgrad).to(ctx.w_dtype)
+            grad_w = grad_w.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(dim=0).to(ctx.b_dtype)  # bias grad from the unquantized dY (TE)
         return grad_x, grad_w, grad_b, None, None, None
+
+
+def _emulated_grads(g2: torch.Tensor, gemm: _Gemm, x_for_wgrad: Optional[torch.Tensor],
+                    w_for_dgrad: Optional[torch.Tensor], need_dgrad: bool, need_wgrad: bool):
+    """(dgrad, wgrad) as fp32 GEMMs on the rounded / dequantized operands (dgrad before the
+    TP all-reduce; bf16 mode rounds it to bf16, the GEMM's output)."""
+    grad_x = grad_w = None
+    if gemm.mode == "bf16":
+        gb = round_to_bf16(g2)
+        g_dgrad = g_wgrad = gb
+    else:
+        recipe = gemm.recipe
+        g_dgrad = _qd(g2, gemm, "grad", -1)  # the one (delayed) update of the grad amax
+        g_wgrad = _wgrad_operand(g2, g_dgrad, recipe, "grad") if need_wgrad else None
+    if need_dgrad:
+        grad_x = g_dgrad @ w_for_dgrad
+        if gemm.mode == "bf16":
+            grad_x = round_to_bf16(grad_x)
+    if need_wgrad:
+        grad_w = g_wgrad.t() @ x_for_wgrad
+    return grad_x, grad_w
+
+
+def _scaled_mm_grads(g2: torch.Tensor, gemm: _Gemm, x_for_wgrad: Optional[torch.Tensor],
+                     x_fp8: Fp8Operand, w_fp8: Fp8Operand, need_dgrad: bool, need_wgrad: bool):
+    """(dgrad, wgrad) of the torch backend: real FP8 GEMMs on the codes the emulation
+    dequantizes (dY along out x W^T along out; dY^T along tokens x X^T along tokens), and
+    the emulation's BF16 GEMM for the wgrad when fp8_wgrad is off."""
+    recipe = gemm.recipe
+    qg = _q(g2, gemm, "grad", -1)  # the one (delayed) update of the grad amax
+    grad_x = grad_w = None
+    if need_dgrad:
+        grad_x = fp8_gemm(fp8_operand(qg, -1, recipe.granularity), w_fp8)
+    if need_wgrad and recipe.fp8_wgrad:
+        grad_w = fp8_gemm(_wgrad_fp8(g2, qg, recipe, "grad"), x_fp8)
+    elif need_wgrad:
+        grad_w = round_to_bf16(g2).t() @ x_for_wgrad
+    return grad_x, grad_w
 
 
 class _EmulatedLinearMixin:

@@ -1,35 +1,99 @@
-"""y = x W^T as a real FP8 GEMM (`torch._scaled_mm`), from our quantizer's codes and scales.
+"""The `torch` backend's FP8 GEMMs (`torch._scaled_mm`), from our quantizer's codes and scales.
 
 Why our quantizer and not torch's casts: the emulation and this backend then share every
 FP8 code and scale bit for bit, so any difference between them is the GEMM alone
 (accumulation order and where the scales are applied), which is what a GPU check needs to
 isolate. `_scaled_mm` computes (A_codes @ B_codes) * scale_a * scale_b with fp32
-accumulation; the emulation multiplies the dequantized operands, so the two agree exactly
-when the scales are powers of two and to fp32 rounding otherwise.
+accumulation on a GPU; the emulation multiplies the dequantized operands, so the two agree
+exactly when the scales are powers of two and to fp32 rounding otherwise.
+
+Every GEMM of a linear is out[m, n] = sum_K A[m, K] B[n, K], both operands row-major with the
+reduction dim K last (`Fp8Operand`): forward x [T, in] . W [out, in]; dgrad dY [T, out] .
+W^T [in, out]; wgrad dY^T [out, T] . X^T [in, T]. Each operand is quantized along that GEMM's
+K (TE's rowwise / columnwise copies), so rowwise scales are one per row of A ([m, 1]) and one
+per row of B, i.e. per output column ([1, n]): exactly the scales `_scaled_mm` takes. No
+operand of the three GEMMs needs scales along another axis, so none falls back to the
+emulation. A K that is not a multiple of 16 (the wgrad's token count) is padded with zero
+codes, which changes no sum and no scale: cuBLASLt's FP8 GEMM requires K % 16 == 0.
+
+What torch accepts (E4M3 = float8_e4m3fn, E5M2 = float8_e5m2); the E5M2 gradient is always
+the first operand here:
+- CPU torch 2.13 (checked): every pair (E4M3/E5M2 in either position, E5M2 x E5M2 too),
+  tensorwise and rowwise scales, fp32 or bf16 output, any layout and size; 1-D rowwise
+  scales are refused ("Invalid scaling configuration"), hence [m, 1] and [1, n]. Without
+  AMX its kernel dequantizes (codes -> fp32 times the scales) and calls at::matmul, the
+  emulation's own operations, so the two agree bit for bit; with AMX it calls oneDNN
+  (E5M2 x E4M3 only with AMX-FP16).
+- CUDA (torch's source, not checked on a GPU here): cuBLASLt refuses E5M2 x E5M2 (never
+  asked) and takes E5M2 x E4M3 and E4M3 x E5M2; torch's CUTLASS rowwise kernel takes E5M2
+  only as the first operand and outputs bf16 only, so rowwise with fp32 output needs the
+  cuBLAS path (cuBLAS >= 12.9 on sm90), forward and backward alike.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from megatron_calibclip.fp8.quantize import Quantized
 
+_K_MULTIPLE = 16  # cuBLASLt FP8: the reduction dim (and B's dims) must be multiples of 16
 
-def _codes_and_scale(q: Quantized, rows: int, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The [rows, K] FP8 codes and their dequantization multipliers as _scaled_mm takes them:
-    a scalar (tensorwise, delayed) or one per row ([rows, 1], rowwise along K)."""
-    codes = q.unblock(q.data).contiguous()
+
+@dataclass
+class Fp8Operand:
+    """One GEMM operand as `_scaled_mm` reads it."""
+
+    codes: torch.Tensor  # [lines, K] float8, row-major, K = the GEMM's reduction dim
+    scale: torch.Tensor  # fp32 dequantization multipliers: () or [lines, 1] (rowwise)
+
+
+def fp8_operand(q: Quantized, axis: int, granularity: str) -> Fp8Operand:
+    """The 2-D tensor quantized as `q` as an operand that reduces along its `axis`: its codes
+    with that dim moved last. Rowwise: `q` must have been quantized along `axis` (its scales
+    are then one per line along K); ValueError otherwise (told by the block shape, so a
+    square tensor's caller is trusted)."""
+    codes = q.unblock(q.data)
+    if codes.dim() != 2:
+        raise ValueError(f"torch._scaled_mm backend: a GEMM operand is 2-D, got "
+                         f"{tuple(codes.shape)}")
+    codes = codes.movedim(axis, -1).contiguous()
     if granularity in ("tensorwise", "delayed"):
-        return codes, q.scale_inv.reshape(()).float()
+        return Fp8Operand(codes, q.scale_inv.reshape(()).float())
     if granularity == "rowwise":
-        return codes, q.scale_inv.reshape(rows, 1).float().contiguous()
+        if tuple(q.data.shape) != tuple(codes.shape):  # rowwise blocks are [lines, K]
+            other = -1 if axis in (0, -2) else 0
+            raise ValueError(f"rowwise operand reducing along axis {axis} was quantized along "
+                             f"axis {other}: its scales run along the wrong dim for _scaled_mm")
+        return Fp8Operand(codes, q.scale_inv.reshape(-1, 1).float().contiguous())
     raise ValueError(f"torch._scaled_mm backend: {granularity!r} scaling is not supported")
 
 
-def scaled_mm(x_q: Quantized, w_q: Quantized, m: int, n: int, granularity: str) -> torch.Tensor:
-    """fp32 [m, n] = dequant(x_q) [m, K] @ dequant(w_q) [n, K]^T as one FP8 GEMM."""
-    a, scale_a = _codes_and_scale(x_q, m, granularity)
-    b, scale_b = _codes_and_scale(w_q, n, granularity)
-    if scale_b.dim() == 2:
-        scale_b = scale_b.t().contiguous()  # [1, n]: one multiplier per output column
+def _pad_k(codes: torch.Tensor) -> torch.Tensor:
+    """Zero codes appended along K up to a multiple of 16 (exact: they add nothing)."""
+    k = codes.shape[-1]
+    if k % _K_MULTIPLE == 0:
+        return codes
+    padded = torch.zeros(codes.shape[0], -(-k // _K_MULTIPLE) * _K_MULTIPLE, dtype=codes.dtype,
+                         device=codes.device)
+    padded[:, :k] = codes
+    return padded
+
+
+def fp8_gemm(a: Fp8Operand, b: Fp8Operand) -> torch.Tensor:
+    """fp32 [m, n] = dequant(a) [m, K] @ dequant(b) [n, K]^T as one FP8 GEMM."""
+    if a.codes.shape[1] != b.codes.shape[1]:
+        raise ValueError(f"FP8 GEMM: K differs ({tuple(a.codes.shape)} vs {tuple(b.codes.shape)})")
+    scale_b = b.scale.t().contiguous() if b.scale.dim() == 2 else b.scale  # [1, n]: per column
     # b.t() of a row-major [n, K] tensor is the column-major [K, n] operand _scaled_mm wants
-    return torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+    return torch._scaled_mm(_pad_k(a.codes), _pad_k(b.codes).t(), scale_a=a.scale,
+                            scale_b=scale_b, out_dtype=torch.float32)
+
+
+def scaled_mm(x_q: Quantized, w_q: Quantized, m: int, n: int, granularity: str) -> torch.Tensor:
+    """The forward GEMM: fp32 [m, n] = dequant(x_q) [m, K] @ dequant(w_q) [n, K]^T, both
+    quantized along K (their last dim)."""
+    out = fp8_gemm(fp8_operand(x_q, -1, granularity), fp8_operand(w_q, -1, granularity))
+    if tuple(out.shape) != (m, n):
+        raise ValueError(f"FP8 GEMM: expected [{m}, {n}], got {list(out.shape)}")
+    return out

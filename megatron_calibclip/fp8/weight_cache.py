@@ -15,8 +15,9 @@ the cached amax so the history advances exactly as a re-quantization would).
 
 Policy, process-wide (`CALIBCLIP_WEIGHT_CACHE` or `set_weight_cache_policy`): "on"
 (default), "off" (re-quantize at every forward, the reference), "verify" (use the cache and
-recompute beside it at every forward; a difference raises StaleWeightCacheError: what
-tests run to prove no write path was missed).
+recompute beside it at every forward, the dgrad copies too once an entry holds them (the
+emulation's values, the torch backend's codes and scales); a difference raises
+StaleWeightCacheError: what tests run to prove no write path was missed).
 """
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ import torch
 
 from megatron_calibclip.fp8.delayed import AmaxHistory
 from megatron_calibclip.fp8.formats import round_to_bf16
-from megatron_calibclip.fp8.quantize import Quantized, quantize, quantize_dequantize, same_both_ways
+from megatron_calibclip.fp8.quantize import Quantized, quantize, same_both_ways
 from megatron_calibclip.fp8.recipe import FP8Recipe
+from megatron_calibclip.fp8.scaled_mm import Fp8Operand, fp8_operand
 
 POLICIES = ("on", "off", "verify")
 _ENV = "CALIBCLIP_WEIGHT_CACHE"
@@ -93,16 +95,35 @@ class WeightOperands:
     amax: Optional[torch.Tensor] = None  # delayed: re-recorded at every hit
     scale: Optional[torch.Tensor] = None  # delayed: the scale these codes were made with
     _dgrad: Optional[torch.Tensor] = field(default=None, repr=False)
+    _dgrad_q: Optional[Quantized] = field(default=None, repr=False)
+    _dgrad_fp8: Optional[Fp8Operand] = field(default=None, repr=False)
+
+    def _dgrad_quantized(self) -> Quantized:
+        """The weight quantized along the output dim (the dgrad GEMM's reduction dim): the
+        forward's codes when the scaling is the same both ways."""
+        if self._dgrad_q is None:
+            if same_both_ways(self.recipe, "weight"):
+                self._dgrad_q = self.quantized
+            else:
+                w = _source(self.weight, self.recipe)
+                self._dgrad_q = quantize(w, self.recipe, "weight", axis=0)
+        return self._dgrad_q
 
     def dgrad_copy(self) -> torch.Tensor:
-        """The weight as the dgrad GEMM reads it (quantized along the output dim)."""
+        """The weight as the emulated dgrad GEMM reads it (quantized along the output dim)."""
         if self._dgrad is None:
             if self.recipe is None or same_both_ways(self.recipe, "weight"):
                 self._dgrad = self.forward_copy
             else:
-                w = _source(self.weight, self.recipe)
-                self._dgrad = quantize_dequantize(w, self.recipe, "weight", axis=0)
+                self._dgrad = self._dgrad_quantized().dequantize(torch.float32)
         return self._dgrad
+
+    def dgrad_operand(self) -> Fp8Operand:
+        """The same copy as the torch backend's dgrad GEMM reads it: the codes of W^T
+        [in, out] (reducing along out) and their scales, one per input feature if rowwise."""
+        if self._dgrad_fp8 is None:
+            self._dgrad_fp8 = fp8_operand(self._dgrad_quantized(), 0, self.recipe.granularity)
+        return self._dgrad_fp8
 
 
 def _build(weight: torch.Tensor, recipe: Optional[FP8Recipe],
@@ -117,15 +138,30 @@ def _build(weight: torch.Tensor, recipe: Optional[FP8Recipe],
     return WeightOperands(weight, recipe, q.dequantize(w.dtype), q, amax, scale)
 
 
-def _same(a: WeightOperands, b: WeightOperands) -> bool:
-    if not torch.equal(a.forward_copy, b.forward_copy):
+def _same_codes(a: Quantized, b: Quantized) -> bool:
+    return torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) \
+        and torch.equal(a.scale_inv, b.scale_inv)
+
+
+def _same(fresh: WeightOperands, cached: WeightOperands) -> bool:
+    """Whether the cached operands equal a fresh build; the lazily built dgrad copies are
+    compared when the cache holds them (a stale one would feed the next backward)."""
+    if not torch.equal(fresh.forward_copy, cached.forward_copy):
         return False
-    if (a.quantized is None) != (b.quantized is None):
+    if (fresh.quantized is None) != (cached.quantized is None):
         return False
-    if a.quantized is None:
+    if fresh.quantized is None:
         return True
-    return torch.equal(a.quantized.data.view(torch.uint8), b.quantized.data.view(torch.uint8)) \
-        and torch.equal(a.quantized.scale_inv, b.quantized.scale_inv)
+    if not _same_codes(fresh.quantized, cached.quantized):
+        return False
+    if cached._dgrad is not None and not torch.equal(fresh.dgrad_copy(), cached._dgrad):
+        return False
+    if cached._dgrad_fp8 is not None:
+        new, old = fresh.dgrad_operand(), cached._dgrad_fp8
+        if not (torch.equal(new.codes.view(torch.uint8), old.codes.view(torch.uint8))
+                and torch.equal(new.scale, old.scale)):
+            return False
+    return True
 
 
 class WeightCache:

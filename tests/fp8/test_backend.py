@@ -1,5 +1,6 @@
 """fp8.backend: which engine runs the FP8 GEMMs, and the `torch` backend (torch._scaled_mm on
-our quantizer's codes) against the emulation, GEMM by GEMM and through the tiny GPT at TP=2."""
+our quantizer's codes) against the emulation, GEMM by GEMM (forward, dgrad, wgrad) and through
+the tiny GPT at TP=2."""
 from __future__ import annotations
 
 import re
@@ -11,6 +12,7 @@ from megatron_calibclip.config import ConfigError
 from megatron_calibclip.fp8 import FP8Recipe
 from megatron_calibclip.fp8.backend import _resolve, check_backend_supports
 from megatron_calibclip.fp8.quantize import quantize
+from megatron_calibclip.fp8.recipe import ROLE_VALUES
 from megatron_calibclip.fp8.scaled_mm import scaled_mm
 
 
@@ -91,20 +93,174 @@ def test_scaled_mm_matches_the_dequantized_gemm(granularity, pow2, k):
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+# dgrad (dY W) and wgrad (dY^T X) as _scaled_mm takes them: A [m, K] rows and B [n, K] rows,
+# each quantized along the GEMM's reduction dim K (rowwise: one scale per row of A, per row of
+# B); T = 30 tokens is not a multiple of 16 (the wgrad pads its K with zero codes)
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_backward_gemms_reduce_along_their_own_dim(granularity):
+    from megatron_calibclip.fp8.scaled_mm import fp8_gemm, fp8_operand
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(30, 96, generator=gen) * torch.linspace(0.1, 4, 30).unsqueeze(1)
+    w = torch.randn(80, 96, generator=gen) * 0.02
+    dy = torch.randn(30, 80, generator=gen) * 1e-3
+    recipe = FP8Recipe(format="hybrid", granularity=granularity)
+    g = granularity
+
+    def op(t, role, axis):
+        return fp8_operand(quantize(t, recipe, role, axis=axis), axis, g)
+
+    def deq(t, role, axis):
+        return quantize(t, recipe, role, axis=axis).dequantize().double()
+
+    cases = {  # name: (FP8 GEMM, float64 product of the dequantized operands)
+        "dgrad": (fp8_gemm(op(dy, "grad", -1), op(w, "weight", 0)),
+                  deq(dy, "grad", -1) @ deq(w, "weight", 0)),
+        "wgrad": (fp8_gemm(op(dy, "grad", 0), op(x, "activation", 0)),
+                  deq(dy, "grad", 0).t() @ deq(x, "activation", 0)),
+    }
+    for name, (got, want) in cases.items():
+        assert got.dtype == torch.float32 and got.shape == want.shape, name
+        tol = 1e-5 * want.abs().max().item()
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=tol), name
+    if granularity == "rowwise":  # scales along the other dim cannot feed the GEMM
+        with pytest.raises(ValueError, match="quantized along axis -1"):
+            fp8_operand(quantize(w, recipe, "weight", axis=-1), 0, g)
+
+
+def _linear_grads(backend: str, steps: int = 3, **recipe_kw):
+    """(y, x.grad, w.grad) of the last of `steps` forward/backward passes of one FP8 linear
+    (delayed scaling: its scales come from the earlier steps' amaxes)."""
+    from megatron_calibclip.fp8.delayed import AmaxHistory
+    from megatron_calibclip.fp8.linear import _EmulatedLinearFunction, _Gemm
+    from megatron_calibclip.fp8.weight_cache import WeightCache
+
+    recipe = FP8Recipe(backend=backend, amax_history_len=4, **recipe_kw)
+    states = {role: AmaxHistory(recipe.element_format(role), recipe.amax_history_len,
+                                recipe.amax_compute_algo, recipe.margin)
+              for role in ROLE_VALUES} if recipe.granularity == "delayed" else None
+    gemm = _Gemm("fp8", recipe, states, backend, WeightCache())
+    gen = torch.Generator().manual_seed(9)
+    w = (torch.randn(80, 96, generator=gen) * 0.05).requires_grad_(True)
+    for step in range(steps):
+        x = (torch.randn(3, 10, 96, generator=gen)
+             * torch.linspace(0.2, 3, 10).view(1, 10, 1)).requires_grad_(True)
+        dy = torch.randn(3, 10, 80, generator=gen) * torch.linspace(1e-4, 1e-2, 80)
+        w.grad = None
+        y = _EmulatedLinearFunction.apply(x, w, None, gemm, False, None)
+        y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+BACKWARD_CASES = [
+    dict(granularity="tensorwise", format="hybrid"),
+    dict(granularity="tensorwise", format="hybrid", power_of_two_scales=True),
+    dict(granularity="delayed", format="hybrid"),
+    dict(granularity="rowwise", format="hybrid"),
+    dict(granularity="rowwise", format="hybrid", power_of_two_scales=True),
+    dict(granularity="rowwise", format="e4m3"),
+    dict(granularity="rowwise", format="hybrid", fp8_wgrad=False),
+]
+
+
+# CPU torch without AMX runs _scaled_mm as the emulation does: codes -> fp32 times the scales,
+# then at::matmul (aten/src/ATen/native/cpu/Blas.cpp, _scaled_mm_out_cpu_emulated); with AMX
+# it calls oneDNN, whose accumulation order is its own
+_CPU_SCALED_MM_DEQUANTIZES = not (torch.backends.mkldnn.is_available()
+                                  and torch.cpu._is_amx_tile_supported())
+
+
+def _scales_after_sum(a, b, scale_a, scale_b, out_dtype):
+    """_scaled_mm as GPU kernels order it: the fp32 sum of code products, then the scales."""
+    return ((a.float() @ b.float()) * scale_a * scale_b).to(out_dtype)
+
+
+@pytest.mark.parametrize("kernel", ["cpu", "scales_after_sum"])
+@pytest.mark.parametrize("kw", BACKWARD_CASES, ids=lambda kw: "-".join(map(str, kw.values())))
+def test_torch_backward_matches_the_emulation(monkeypatch, kw, kernel):
+    """dgrad and wgrad through _scaled_mm against the emulation's fp32 GEMMs on the same codes.
+    CPU torch's kernel dequantizes then multiplies as the emulation does: bit-identical. A
+    kernel that scales the sum (GPU order) is bit-identical when every scale is a power of
+    two; otherwise each dequantized operand rounds once (2**-24 relative per operand), which
+    moves an fp32 dgrad/wgrad by <= 1e-6 of its largest value (measured <= 3.2e-7; elementwise
+    relative differences reach 2e-3 where the sum cancels), and the forward's bf16 output
+    by at most one bf16 step where that crosses a rounding boundary."""
+    if kernel == "scales_after_sum":
+        monkeypatch.setattr(torch, "_scaled_mm", _scales_after_sum)
+    emu, got = _linear_grads("emulated", **kw), _linear_grads("torch", **kw)
+    pow2 = kw.get("power_of_two_scales", False)
+    exact = (kernel == "cpu" and _CPU_SCALED_MM_DEQUANTIZES) or pow2
+    for name, a, b in zip(("y", "dgrad", "wgrad"), got, emu):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        if exact:
+            assert torch.equal(a, b), name
+        elif name == "y":
+            assert torch.allclose(a, b, rtol=2**-7, atol=0), name
+        else:
+            scale = b.abs().max().item()
+            assert torch.allclose(a, b, rtol=0, atol=1e-6 * scale), \
+                (name, (a - b).abs().max().item() / scale)
+
+
+@pytest.mark.parametrize("fp8_wgrad", [True, False])
+def test_torch_backward_goes_through_scaled_mm(monkeypatch, fp8_wgrad):
+    """The backward's GEMMs are real FP8 GEMMs: dgrad reads the E5M2 gradient (hybrid) and the
+    E4M3 weight, wgrad the transposed E5M2 gradient and E4M3 input (BF16 wgrad: no FP8 GEMM)."""
+    calls = []
+    real = torch._scaled_mm
+
+    def recording(a, b, *args, **kwargs):
+        calls.append((a.dtype, b.dtype, tuple(a.shape), tuple(b.shape)))
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    _linear_grads("emulated", steps=1, granularity="rowwise", format="hybrid",
+                  fp8_wgrad=fp8_wgrad)
+    assert calls == []
+    _linear_grads("torch", steps=1, granularity="rowwise", format="hybrid", fp8_wgrad=fp8_wgrad)
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    want = [(e4, e4, (30, 96), (96, 80)),  # forward: x [T, in] @ W^T
+            (e5, e4, (30, 80), (80, 96))]  # dgrad: dY [T, out] @ W
+    if fp8_wgrad:  # dY^T [out, T] @ X [T, in], T = 30 padded to 32 (cuBLASLt needs K % 16)
+        want.append((e5, e4, (80, 32), (32, 96)))
+    assert calls == want
+
+
+def test_verify_mode_compares_the_dgrad_codes():
+    """CALIBCLIP_WEIGHT_CACHE=verify recomputes the weight's dgrad codes too: a stale copy of
+    them (the weight changed behind the cache's back) is caught."""
+    from megatron_calibclip.fp8.weight_cache import (StaleWeightCacheError, WeightCache,
+                                                     set_weight_cache_policy)
+
+    recipe = FP8Recipe(granularity="rowwise", backend="torch")
+    w = torch.randn(80, 96, generator=torch.Generator().manual_seed(1)) * 0.05
+    cache = WeightCache()
+    try:
+        set_weight_cache_policy("verify")
+        entry = cache.operands(w, recipe)
+        dgrad = entry.dgrad_operand()
+        assert dgrad.codes.shape == (96, 80) and dgrad.scale.shape == (96, 1)
+        assert cache.operands(w, recipe) is entry  # a hit that verifies clean
+        dgrad.codes[0, 0] = 2.0 if dgrad.codes[0, 0].float().item() != 2.0 else 1.0  # stale
+        with pytest.raises(StaleWeightCacheError):
+            cache.operands(w, recipe)
+    finally:
+        set_weight_cache_policy(None)
+
+
 def _model_body(rank, world_size, granularity):
-    import megatron_calibclip.fp8.linear as linear
     from megatron_calibclip.fp8 import fp8_linear_classes, set_precision
     from megatron_calibclip.models import build_policy_model, get_preset, local_layer_spec
     from megatron_calibclip.parallel import model_parallel
 
     out = {"scaled_mm_calls": 0}
-    real = linear.scaled_mm
+    real = torch._scaled_mm
 
     def counting(*args, **kwargs):
         out["scaled_mm_calls"] += 1
         return real(*args, **kwargs)
 
-    linear.scaled_mm = counting
+    torch._scaled_mm = counting
     with model_parallel(tp=2):
         cfg = get_preset("tiny")
         model = build_policy_model(cfg, spec=local_layer_spec(cfg, **fp8_linear_classes()), seed=0)
@@ -122,7 +278,7 @@ def _model_body(rank, world_size, granularity):
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
             out[backend] = (logits.detach(), grads)
             out[f"calls_{backend}"] = out["scaled_mm_calls"]
-    linear.scaled_mm = real
+    torch._scaled_mm = real
     return out
 
 
@@ -130,9 +286,13 @@ def _model_body(rank, world_size, granularity):
 @pytest.mark.parametrize("granularity", ["tensorwise", "delayed", "rowwise"])
 def test_torch_backend_matches_the_emulation_through_the_model(dist_pool, granularity):
     for out in dist_pool(2).run(_model_body, granularity):
-        # 4 linears x 2 layers, each one real FP8 GEMM, only under the torch backend
-        assert (out["calls_emulated"], out["calls_torch"]) == (0, 8)
+        # 4 linears x 2 layers, each three real FP8 GEMMs (forward, dgrad, wgrad), only under
+        # the torch backend
+        assert (out["calls_emulated"], out["calls_torch"]) == (0, 24)
         (l_emu, g_emu), (l_torch, g_torch) = out["emulated"], out["torch"]
+        if _CPU_SCALED_MM_DEQUANTIZES:  # the same codes, scales and fp32 GEMMs: bit for bit
+            assert torch.equal(l_torch, l_emu)
+            assert all(torch.equal(g_torch[name], grad) for name, grad in g_emu.items())
         scale = l_emu.abs().max().item()
         assert torch.allclose(l_torch, l_emu, rtol=1e-5, atol=1e-5 * scale)
         for name, grad in g_emu.items():

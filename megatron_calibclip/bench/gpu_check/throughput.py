@@ -4,8 +4,8 @@ Why side by side: a ratio of two numbers measured in the same process on the sam
 interleaved step by step, survives clock and thermal drift that separate runs would not.
 A step is the trainer's update on its policy as it builds it today (local spec with the
 emulated linears, fp32 master weights): forward, -mean log-prob, backward, AdamW. "bf16" is
-that model's BF16 mode, "fp8" its FP8 mode with the `torch` backend (real FP8 forward GEMMs,
-emulated backward). Until the trainer builds bf16 parameters and the TE spec (issue 11,
+that model's BF16 mode, "fp8" its FP8 mode with the `torch` backend (real FP8 GEMMs,
+forward and backward). Until the trainer builds bf16 parameters and the TE spec (issue 11,
 items 2-3) the ratio describes this package, not the hardware's FP8 speed-up: it is recorded
 against a target, and only correctness (finite losses, positive throughput) gates the check.
 """
