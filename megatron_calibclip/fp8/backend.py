@@ -48,7 +48,9 @@ TRAINER_BUILDS_TE = False
 def _resolve(requested: str, cuda: bool, te: bool, scaled_mm: bool, *,
              for_run: bool = True) -> tuple[str, str]:
     """for_run: what a training run may use (config time); False: what one of our linears
-    can execute here (the tests run the torch backend on CPU against the emulation)."""
+    executes (the same answer, except that `torch` also runs on the CPU: the tests compare
+    it with the emulation there). Never `te` for `auto` while the trainer builds our own
+    linears: config check and forward must agree."""
     if requested not in BACKEND_VALUES:
         raise ConfigError(f"fp8.backend: {requested!r} is not one of {list(BACKEND_VALUES)}")
     if requested == "emulated":
@@ -73,7 +75,7 @@ def _resolve(requested: str, cuda: bool, te: bool, scaled_mm: bool, *,
             raise ConfigError("fp8.backend: 'torch' runs real FP8 GEMMs on a CUDA device and "
                               "there is none here; use 'emulated' or 'auto' on the CPU")
         return "torch", "requested"
-    if cuda and te and (TRAINER_BUILDS_TE or not for_run):
+    if cuda and te and TRAINER_BUILDS_TE:
         return "te", "auto: CUDA and transformer-engine are available"
     if cuda and scaled_mm:
         why = "CUDA without transformer-engine" if not te else \
@@ -98,6 +100,7 @@ def check_backend_supports(backend: str, granularity: str) -> None:
     """ConfigError when `backend` cannot run this scaling granularity."""
     if backend == "torch" and granularity not in TORCH_GRANULARITIES:
         raise ConfigError(
-            f"fp8.backend 'torch' runs {', '.join(TORCH_GRANULARITIES)} scaling; "
-            f"{granularity!r} needs torch's block-scaled GEMMs, not wired yet "
-            f"(use fp8.backend 'te' on GPU, or 'emulated')")
+            f"fp8.backend resolves to 'torch' here, which runs {', '.join(TORCH_GRANULARITIES)} "
+            f"scaling; {granularity!r} needs torch's block-scaled GEMMs, not wired yet: set "
+            f"fp8.granularity to tensorwise or rowwise, or fp8.backend to 'emulated' "
+            f"(exact numerics, fp32 GEMMs: slow on a GPU)")

@@ -119,7 +119,7 @@ class _EmulatedLinearFunction(torch.autograd.Function):
             if gemm.backend == "torch":  # real FP8 GEMMs on the same codes and scales
                 qx = _q(x2, gemm, "activation", -1)
                 ops = gemm.weights.operands(weight, recipe, _state(gemm, "weight"))
-                out = scaled_mm(qx, ops.quantized, x2.shape[0], ops.forward_copy.shape[0],
+                out = scaled_mm(qx, ops.quantized, x2.shape[0], weight.shape[0],
                                 recipe.granularity)
                 if need_wgrad and recipe.fp8_wgrad:
                     x_fp8 = _wgrad_fp8(x2, qx, recipe, "activation")

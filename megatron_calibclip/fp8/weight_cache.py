@@ -90,13 +90,23 @@ class WeightOperands:
 
     weight: torch.Tensor  # the master (to rebuild the transposed copy lazily)
     recipe: Optional[FP8Recipe]  # None in bf16 mode
-    forward_copy: torch.Tensor  # fp32 values the forward GEMM multiplies with
+    # bf16 mode: the bf16 copy (fp32 values); fp8: None until the emulated GEMM asks for the
+    # dequantized codes (`forward_copy`): the torch backend reads only the codes, so a GPU
+    # run keeps 1 byte per weight here, not 4 more
+    _forward: Optional[torch.Tensor]
     quantized: Optional[Quantized] = None  # fp8: codes + scales (the torch backend's input)
     amax: Optional[torch.Tensor] = None  # delayed: re-recorded at every hit
     scale: Optional[torch.Tensor] = None  # delayed: the scale these codes were made with
     _dgrad: Optional[torch.Tensor] = field(default=None, repr=False)
     _dgrad_q: Optional[Quantized] = field(default=None, repr=False)
     _dgrad_fp8: Optional[Fp8Operand] = field(default=None, repr=False)
+
+    @property
+    def forward_copy(self) -> torch.Tensor:
+        """fp32 values the emulated forward GEMM multiplies with (built on first use)."""
+        if self._forward is None:
+            self._forward = self.quantized.dequantize(torch.float32)
+        return self._forward
 
     def _dgrad_quantized(self) -> Quantized:
         """The weight quantized along the output dim (the dgrad GEMM's reduction dim): the
@@ -135,7 +145,7 @@ def _build(weight: torch.Tensor, recipe: Optional[FP8Recipe],
     if state is not None:
         scale, amax = state.scale.clone(), w.abs().amax()
     q = quantize(w, recipe, "weight", axis=-1, state=state)
-    return WeightOperands(weight, recipe, q.dequantize(w.dtype), q, amax, scale)
+    return WeightOperands(weight, recipe, None, q, amax, scale)
 
 
 def _same_codes(a: Quantized, b: Quantized) -> bool:
@@ -146,13 +156,13 @@ def _same_codes(a: Quantized, b: Quantized) -> bool:
 def _same(fresh: WeightOperands, cached: WeightOperands) -> bool:
     """Whether the cached operands equal a fresh build; the lazily built dgrad copies are
     compared when the cache holds them (a stale one would feed the next backward)."""
-    if not torch.equal(fresh.forward_copy, cached.forward_copy):
-        return False
     if (fresh.quantized is None) != (cached.quantized is None):
         return False
-    if fresh.quantized is None:
-        return True
+    if fresh.quantized is None:  # bf16: the copy itself
+        return torch.equal(fresh.forward_copy, cached.forward_copy)
     if not _same_codes(fresh.quantized, cached.quantized):
+        return False
+    if cached._forward is not None and not torch.equal(fresh.forward_copy, cached._forward):
         return False
     if cached._dgrad is not None and not torch.equal(fresh.dgrad_copy(), cached._dgrad):
         return False

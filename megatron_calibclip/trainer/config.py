@@ -265,9 +265,10 @@ class TrainConfig:
                                 ("clipping.calibration.shadow_precision",
                                  self.clipping.calibration.shadow_precision)):
                 if value == "fp32":
+                    instead = "bf16" if path.endswith("shadow_precision") else "bf16/fp8"
                     raise ConfigError(f"{path}: 'fp32' GEMMs need fp32 parameters, but "
                                       f"model.params_dtype is bf16 here; set model.params_dtype "
-                                      f"to fp32 or {path} to bf16/fp8")
+                                      f"to fp32 or {path} to {instead}")
         if self.model.load is None:  # a loaded checkpoint's architecture is checked when read
             from megatron_calibclip.models import get_preset
 
@@ -286,7 +287,10 @@ class TrainConfig:
         (one line), not at the first FP8 forward."""
         from megatron_calibclip.fp8.backend import check_backend_supports, resolve_backend
 
-        for section, recipe in (("fp8", self.fp8), ("rollout.fp8", self.rollout_recipe)):
+        used = [(section, recipe) for section, recipe, precision in (
+            ("fp8", self.fp8, self.precision),
+            ("rollout.fp8", self.rollout_recipe, self.rollout.precision)) if precision == "fp8"]
+        for section, recipe in used:  # a recipe no FP8 GEMM reads is not checked
             try:
                 backend, _ = resolve_backend(recipe.backend)
                 check_backend_supports(backend, recipe.granularity)

@@ -75,6 +75,20 @@ def run_dir_for(cfg: TrainConfig) -> Path:
     return Path(cfg.run.output_dir) / cfg.run.name
 
 
+def resolved_settings(cfg: TrainConfig, c: Components) -> dict[str, str]:
+    """The machine-dependent choices of this run (config.yaml keeps `auto`): a run resumed on
+    another machine may resolve differently, and resolved.yaml says what each start got."""
+    from megatron_calibclip.fp8.backend import resolve_backend
+
+    out = {"device": str(c.device), "params_dtype": cfg.model.resolved_params_dtype()}
+    for name, recipe, precision in (("fp8.backend", cfg.fp8, cfg.precision),
+                                    ("rollout.fp8.backend", cfg.rollout_recipe,
+                                     cfg.rollout.precision)):
+        if precision == "fp8":
+            out[name] = resolve_backend(recipe.backend)[0]
+    return out
+
+
 def _guard_run_dir(run_dir: Path, cfg: TrainConfig, checkpointer: Optional[Checkpointer],
                    rank0: bool) -> None:
     """Collective: refuse (RunDirError on every rank) a run directory holding other results."""
@@ -108,6 +122,9 @@ def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
         c = build_components(cfg, run_dir)
         if rank0:  # only a configuration that built is recorded
             (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            resolved = resolved_settings(cfg, c)  # what `auto` meant on this machine
+            (run_dir / "resolved.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+            print("resolved: " + ", ".join(f"{k} {v}" for k, v in resolved.items()), flush=True)
             if c.skips.total:
                 print(f"data: {c.skips.summary()}", flush=True)
         if checkpointer is None and cfg.run.checkpoint:

@@ -29,10 +29,10 @@ def test_resolution_for_a_run(requested, cuda, te, expected):
 
 
 def test_resolution_for_a_linear():
-    """One of our linears runs torch on the CPU too (what the tests below use), and would take
-    te on a GPU with TE when asked by a model built with TE's spec."""
+    """One of our linears runs torch on the CPU too (what the tests below use); otherwise it
+    resolves as the config check did (a GPU with TE: torch, never te, for `auto`)."""
     assert _resolve("torch", False, False, True, for_run=False)[0] == "torch"
-    assert _resolve("auto", True, True, True, for_run=False)[0] == "te"
+    assert _resolve("auto", True, True, True, for_run=False)[0] == "torch"  # as the config check
     assert _resolve("auto", False, True, True, for_run=False)[0] == "emulated"
 
 
@@ -68,6 +68,10 @@ def test_on_the_cpu_a_training_config_takes_emulated_and_refuses_te_and_torch():
             text = str(err.value)
             assert text.startswith(f"{section}.backend: '{backend}'") and why in text
             assert "\n" not in text
+    # a recipe that no FP8 GEMM reads (a BF16 run) is not checked
+    bf16_run = {"precision": "bf16", "rollout": {"precision": "bf16"},
+                "clipping": {"mode": "fixed"}, "fp8": {"backend": "torch"}}
+    assert from_dict(TrainConfig, bf16_run).fp8.backend == "torch"
 
 
 def test_bad_values_are_refused():
@@ -224,6 +228,25 @@ def test_torch_backward_goes_through_scaled_mm(monkeypatch, fp8_wgrad):
     if fp8_wgrad:  # dY^T [out, T] @ X [T, in], T = 30 padded to 32 (cuBLASLt needs K % 16)
         want.append((e5, e4, (80, 32), (32, 96)))
     assert calls == want
+
+
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_torch_backend_caches_codes_not_a_dequantized_copy(granularity):
+    """On a GPU the weight cache must not hold a 4-byte copy of every weight beside its
+    1-byte codes: the torch backend never reads the dequantized forward copy."""
+    from megatron_calibclip.fp8.linear import _EmulatedLinearFunction, _Gemm
+    from megatron_calibclip.fp8.weight_cache import WeightCache
+
+    w = (torch.randn(48, 64, generator=torch.Generator().manual_seed(1)) * 0.05)
+    w.requires_grad_(True)
+    for backend, kept in (("torch", False), ("emulated", True)):
+        cache = WeightCache()
+        gemm = _Gemm("fp8", FP8Recipe(backend=backend, granularity=granularity), None, backend,
+                     cache)
+        x = torch.randn(2, 8, 64, requires_grad=True)
+        _EmulatedLinearFunction.apply(x, w, None, gemm, False, None).sum().backward()
+        assert (cache._entry._forward is not None) == kept, backend
+        assert cache._entry.quantized.data.element_size() == 1
 
 
 def test_verify_mode_compares_the_dgrad_codes():

@@ -83,7 +83,13 @@ def test_bf16_params_match_the_fp32_flow(dist_pool, tmp_path):
         assert torch.allclose(d_seen["params"][name].float(), p.float(), rtol=2 ** -7, atol=1e-6)
     assert {p.dtype for p in d_seen["params"].values()} == {torch.bfloat16}
 
-    # what was allocated
+    # what was allocated, and what each run directory says it got
+    import yaml
+
+    for name, dtype in (("fp32", "fp32"), ("bf16", "bf16"), ("bf16-distopt", "bf16")):
+        resolved = yaml.safe_load((tmp_path / name / "resolved.yaml").read_text())
+        assert resolved == {"device": "cpu", "params_dtype": dtype, "fp8.backend": "emulated",
+                            "rollout.fp8.backend": "emulated"}
     assert {p.dtype for p in b_seen["params"].values()} == {torch.bfloat16}
     assert {p.dtype for p in f_seen["params"].values()} == {torch.float32}
     assert b_seen["optimizers"] == ["Float16OptimizerWithFloat16Params"]

@@ -2,12 +2,14 @@
 
 Why side by side: a ratio of two numbers measured in the same process on the same weights,
 interleaved step by step, survives clock and thermal drift that separate runs would not.
-A step is the trainer's update on its policy as it builds it today (local spec with the
-emulated linears, fp32 master weights): forward, -mean log-prob, backward, AdamW. "bf16" is
-that model's BF16 mode, "fp8" its FP8 mode with the `torch` backend (real FP8 GEMMs,
-forward and backward). Until the trainer builds bf16 parameters and the TE spec (issue 11,
-items 2-3) the ratio describes this package, not the hardware's FP8 speed-up: it is recorded
-against a target, and only correctness (finite losses, positive throughput) gates the check.
+A step is an update of the trainer's policy architecture (local spec with the emulated
+linears, fp32 parameters: the trainer's CPU flow; on a GPU the trainer holds bf16 parameters
+with megatron's fp32 main parameters, which this bench does not build): forward, -mean
+log-prob, backward, AdamW. "bf16" is that model's BF16 mode (fp32 GEMMs on bf16-rounded
+operands: the emulation, not tensor-core BF16), "fp8" its FP8 mode with the `torch` backend
+(real FP8 GEMMs, forward and backward). So the ratio describes this package, not the
+hardware's FP8 speed-up (which needs TE's spec in the trainer): it is recorded against a
+target, and only correctness (finite losses, positive throughput) gates the check.
 """
 from __future__ import annotations
 
@@ -65,7 +67,8 @@ def run(opts: CheckOptions) -> dict:
     ratio = rate["fp8"] / rate["bf16"]
     out = {
         "what": "fwd + bwd + AdamW of the trainer's policy model (emulated-linear spec, fp32 "
-                "master weights); bf16 = its BF16 mode, fp8 = FP8 tensorwise via torch._scaled_mm",
+                "parameters); bf16 = its BF16 mode (emulated: fp32 GEMMs on bf16 values), "
+                "fp8 = FP8 tensorwise via torch._scaled_mm, forward and backward",
         "model": vars(opts.big_model), "parameters": cfg.num_parameters(),
         "tokens_per_step": tokens_per_step, "measured_steps": opts.throughput_steps,
         "step_seconds": {m: [round(s, 4) for s in seconds[m]] for m in MODES},
