@@ -96,7 +96,7 @@ def launch_hint(ranks: int, args: argparse.Namespace) -> str:
     tail = f"--config {args.config}{' ' + sets if sets else ''}"
     return (f"Start a multiple of {ranks} ranks: `torchrun --nproc-per-node {ranks} -m "
             f"megatron_calibclip.cli train {tail}`, `srun -n {ranks} calibclip train {tail}` or "
-            f"`launch/local.sh {args.config}{' ' + sets if sets else ''}` (2 CPU ranks)")
+            f"`NPROC={ranks} launch/local.sh {args.config}{' ' + sets if sets else ''}`")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,7 +39,8 @@ def add_convert_parser(subparsers) -> argparse.ArgumentParser:
     h.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size to write at")
     h.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size to write at")
     h.add_argument("--dtype", choices=_DTYPES, default="float32",
-                   help="Megatron parameter dtype (float32 = trainable master weights)")
+                   help="dtype of the written weights (float32 keeps every bit of an fp32 source; "
+                        "bfloat16 halves the files)")
     h.add_argument("--preset", default=None,
                    help="fail unless config.json describes this model preset (e.g. smollm2-135m);"
                         " also takes the preset's vocabulary padding")
