@@ -282,15 +282,19 @@ class TrainConfig:
                   f"a divisor of model.num_layers ({m.num_layers})")
 
 
+    def fp8_recipes_in_use(self) -> list[tuple[str, FP8Recipe]]:
+        """(section, recipe) of the trainer's and the rollout's FP8 recipes that an FP8 GEMM
+        reads (precision fp8)."""
+        return [(section, recipe) for section, recipe, precision in (
+            ("fp8", self.fp8, self.precision),
+            ("rollout.fp8", self.rollout_recipe, self.rollout.precision)) if precision == "fp8"]
+
     def _check_fp8_backends(self) -> None:
         """A backend this machine cannot run, or one that cannot run the recipe, fails here
         (one line), not at the first FP8 forward."""
         from megatron_calibclip.fp8.backend import check_backend_supports, resolve_backend
 
-        used = [(section, recipe) for section, recipe, precision in (
-            ("fp8", self.fp8, self.precision),
-            ("rollout.fp8", self.rollout_recipe, self.rollout.precision)) if precision == "fp8"]
-        for section, recipe in used:  # a recipe no FP8 GEMM reads is not checked
+        for section, recipe in self.fp8_recipes_in_use():  # an unread recipe is not checked
             try:
                 backend, _ = resolve_backend(recipe.backend)
                 check_backend_supports(backend, recipe.granularity)

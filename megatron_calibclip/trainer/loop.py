@@ -81,11 +81,8 @@ def resolved_settings(cfg: TrainConfig, c: Components) -> dict[str, str]:
     from megatron_calibclip.fp8.backend import resolve_backend
 
     out = {"device": str(c.device), "params_dtype": cfg.model.resolved_params_dtype()}
-    for name, recipe, precision in (("fp8.backend", cfg.fp8, cfg.precision),
-                                    ("rollout.fp8.backend", cfg.rollout_recipe,
-                                     cfg.rollout.precision)):
-        if precision == "fp8":
-            out[name] = resolve_backend(recipe.backend)[0]
+    for section, recipe in cfg.fp8_recipes_in_use():
+        out[f"{section}.backend"] = resolve_backend(recipe.backend)[0]
     return out
 
 
