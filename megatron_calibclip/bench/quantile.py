@@ -24,6 +24,9 @@ Measured as follows (also written into the JSON under "definitions"):
     implementation puts about 2 (w-1)/w (all-reduce) or (w-1)/w (all-gather) of it on the wire.
   * error: estimator log L - exact log L*, estimator log H - exact log H*(exact L*), in log r.
 
+Layout: this module is the command (options, judging, report); quantile_methods.py holds the
+estimator call and the exact baseline, quantile_ranks.py spawns and times the ranks.
+
 Ranks are spawned here (torch.multiprocessing, gloo, file:// rendezvous in a temp dir). Never a
 hang: collectives time out (`--timeout`), a watchdog kills the ranks it started past the deadline,
 and any rank error ends the run with the rank's message. Exit status: 0 all applicable targets
@@ -32,35 +35,19 @@ met, 1 a target missed (the report is still printed), 2 bad arguments, 3 the run
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime
 import json
 import math
 import os
-import shutil
-import statistics
 import sys
-import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
+
+from megatron_calibclip.bench.quantile_methods import (EPS_HIGH, EPS_LOW, MIN_TOKENS, VARIANTS, baseline,
+                                                     make_tokens)
+from megatron_calibclip.bench.quantile_ranks import BenchError, spawn_ranks
 
 ERROR_TARGET = 1e-4  # issue: error <= 1e-4 in log r with default settings
 FASTER_FROM_TOKENS_PER_RANK = 1_000_000  # issue: faster than the baseline from 1M tokens per rank on
-EPS_LOW, EPS_HIGH = 0.2, 0.28  # DAPO's clip-higher epsilons
-MIN_TOKENS = 1000
-# Named estimator settings (overrides of CalibrationConfig's defaults). The targets are judged
-# on "default"; the others are the alternatives weighed when the default was chosen (README.md).
-# The benchmark measures the estimator against exact sorting on the SPEC's rule (mass_balance,
-# the one whose H needs a mass threshold on the merged histogram), without the robustness
-# guards (min counts, widen-only), which have their own tests and study (docs/calibration.md).
-SPEC_RULE: dict[str, Any] = {"upper_rule": "mass_balance", "min_clipped_tokens": 1, "widen_only": False}
-VARIANTS: dict[str, dict[str, Any]] = {
-    "default": {**SPEC_RULE},
-    "one_pass_16k": {**SPEC_RULE, "bins": 16384, "refine": False},  # the previous default: error up to one bin = 4.9e-4
-    "one_pass_128k": {**SPEC_RULE, "bins": 131072, "refine": False},  # finer grid: error up to 6.1e-5, 8x bytes
-}
-COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "gather",
-           "scatter", "reduce_scatter_tensor", "all_to_all_single")
 TIMING_NOTE = ("wall times are from one run on this machine; on a shared or loaded machine they are "
                "noisy (other processes compete for the cores), bytes and errors are not")
 
@@ -106,7 +93,7 @@ def run_quantile(args: argparse.Namespace) -> int:
         return 2
     t0 = time.perf_counter()
     try:
-        rows = _spawn(opts)
+        rows = spawn_ranks(opts)
     except BenchError as err:
         print(f"calibclip bench quantile: {err}", file=sys.stderr)
         if opts["json"]:
@@ -163,294 +150,6 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     variants = ["default"] + [v for v in dict.fromkeys(names) if v != "default"]
     return {"ranks": ranks, "tokens": parse_tokens(args.tokens), "json": bool(args.json),
             "seed": int(args.seed), "repeats": repeats, "timeout": timeout, "variants": variants}
-
-
-# ----------------------------------------------------------------------------- spawning
-class BenchError(RuntimeError):
-    """The benchmark could not run to the end (a rank failed, or the deadline passed)."""
-
-
-def _spawn(opts: dict[str, Any]) -> list[dict[str, Any]]:
-    """Start the ranks, wait for them under a deadline, return rank 0's rows."""
-    import torch.multiprocessing as mp
-
-    tmp = tempfile.mkdtemp(prefix="calibclip-bench-quantile-")
-    out_path = os.path.join(tmp, "rows.json")
-    threads = max(1, (os.cpu_count() or 1) // opts["ranks"])
-    # Children inherit the environment at spawn: one OpenMP pool per rank, sized to the cores.
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    ctx = None
-    try:
-        try:
-            ctx = mp.start_processes(
-                _rank_main, args=(opts, os.path.join(tmp, "rendezvous"), out_path, threads),
-                nprocs=opts["ranks"], join=False, start_method="spawn")
-        except Exception as err:  # noqa: BLE001 - report why the ranks could not start
-            raise BenchError(f"could not start {opts['ranks']} rank(s): {err}") from err
-        deadline = time.monotonic() + opts["timeout"]  # a stuck collective times out at the same limit
-        while True:
-            try:
-                if ctx.join(timeout=0.5):
-                    break
-            except Exception as err:  # noqa: BLE001 - ProcessRaisedException / ProcessExitedException
-                raise BenchError(f"a rank failed: {str(err).strip()}") from err
-            if time.monotonic() > deadline:
-                raise BenchError(f"the ranks did not finish within --timeout {opts['timeout']:g} s; "
-                                 "killed them")
-        if not os.path.exists(out_path):
-            raise BenchError("the ranks exited without writing their results")
-        with open(out_path) as f:
-            return json.load(f)
-    finally:
-        if ctx is not None:
-            for proc in ctx.processes:  # only the processes started above
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(5)
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _rank_main(rank: int, opts: dict[str, Any], init_file: str, out_path: str, threads: int) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=opts["ranks"], timeout=datetime.timedelta(seconds=opts["timeout"]))
-    try:  # an exception reaches the parent with its traceback through torch.multiprocessing
-        rows = _run_rank(rank, opts)
-        if rank == 0:
-            with open(out_path + ".tmp", "w") as f:
-                json.dump(rows, f)
-            os.replace(out_path + ".tmp", out_path)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-# ----------------------------------------------------------------------------- the two methods
-def make_tokens(n: int, rank: int, seed: int):
-    """Synthetic per-rank tokens (float32, like the trainer's log-ratios): policy drift 0.12,
-    shadow (BF16) noise 0.03 and FP8 noise 0.25 in log r, N(0, 1) advantages, 10% masked."""
-    import torch
-
-    from megatron_calibclip.parallel.devices import HOST  # a CPU benchmark (gloo)
-
-    g = torch.Generator(device=HOST).manual_seed((seed * 1_000_003 + rank) * 1_000_033 + n)
-    true = torch.randn(n, generator=g, device=HOST) * 0.12
-    lr16 = true + torch.randn(n, generator=g, device=HOST) * 0.03
-    lr8 = true + torch.randn(n, generator=g, device=HOST) * 0.25
-    adv = torch.randn(n, generator=g, device=HOST)
-    mask = torch.rand(n, generator=g, device=HOST) > 0.1
-    return lr8, lr16, adv, mask
-
-
-def estimator(config, lr8, lr16, adv, mask):
-    """What the trainer does on a calibration step: accumulate, then one collective compute()."""
-    from megatron_calibclip.calibration import CalibrationAccumulator
-
-    acc = CalibrationAccumulator.from_config(config, EPS_LOW, EPS_HIGH, device=lr8.device)
-    acc.add(lr8, lr16, adv, mask)
-    return acc.compute()
-
-
-@dataclasses.dataclass
-class Exact:
-    """The baseline's answer and what rank 0 needs to judge the estimator."""
-
-    log_lower: float
-    log_upper: float
-    p: float
-    x8n: Any = None  # float64 FP8 log-ratios of N (global)
-    mn8: Any = None  # their masses |A| r8
-    x8p_sorted: Any = None  # sorted FP8 log-ratios of P
-    cum_p: Any = None  # cumulative |A| r8 of P in that order
-
-    def upper_for(self, log_lower: float) -> float:
-        """Exact log H for a given log L (e.g. the estimator's)."""
-        return _upper(self.x8n, self.mn8, self.x8p_sorted, self.cum_p, self.p, log_lower)
-
-
-def baseline(lr8, lr16, adv, mask, *, mass_rtol: float = 1e-9) -> Exact:
-    """The obvious exact method: all_gather every token (lr8, lr16, adv float32 + mask uint8 =
-    13 bytes/token), then on every rank: L* = k-th smallest log r8 of N (torch.kthvalue, the exact
-    alpha-quantile), H* = smallest positive log r8 whose sorted cumulative |A| r mass reaches
-    p * U-(r8, L*) (torch.sort + cumsum). float64, same definitions as the estimator."""
-    import torch
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
-    full = []
-    for t in (lr8, lr16, adv, mask.to(torch.uint8)):
-        parts = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(parts, t.contiguous())
-        full.append(torch.cat(parts))
-    lr8, lr16, adv = (t.to(torch.float64) for t in full[:3])
-    valid = full[3].bool() & torch.isfinite(lr8) & torch.isfinite(lr16) & torch.isfinite(adv)
-    neg, pos = valid & (adv < 0), valid & (adv > 0)
-    t_low, t_high = math.log1p(-EPS_LOW), math.log1p(EPS_HIGH)
-    x8n, x16n, x8p, x16p = lr8[neg], lr16[neg], lr8[pos], lr16[pos]
-    an, ap = -adv[neg], adv[pos]
-    k = int((x16n <= t_low).sum())
-    if k == 0 or x8p.numel() == 0:
-        raise RuntimeError("synthetic tokens gave no clipped negative or no positive token")
-    log_l = float(torch.kthvalue(x8n, k).values)
-    p = float((ap * torch.exp(x16p))[x16p <= t_high].sum() / (an * torch.exp(x16n))[x16n > t_low].sum())
-    mn8 = an * torch.exp(x8n)
-    x8p_sorted, order = torch.sort(x8p)
-    cum_p = torch.cumsum((ap * torch.exp(x8p))[order], 0)
-    ex = Exact(log_l, math.nan, p, x8n, mn8, x8p_sorted, cum_p)
-    ex.log_upper = _upper(x8n, mn8, x8p_sorted, cum_p, p, log_l, mass_rtol)
-    return ex
-
-
-def _upper(x8n, mn8, x8p_sorted, cum_p, p: float, log_lower: float, mass_rtol: float = 1e-9) -> float:
-    import torch
-
-    target = p * float(mn8[x8n > log_lower].sum())
-    need = target - mass_rtol * float(cum_p[-1])
-    if need <= 0:
-        return -math.inf
-    idx = int(torch.searchsorted(cum_p, torch.tensor([need], dtype=torch.float64,
-                                                     device=cum_p.device)))
-    return float(x8p_sorted[idx]) if idx < cum_p.numel() else math.inf
-
-
-# ----------------------------------------------------------------------------- one rank
-def _counting(calls: list[tuple[str, int]]) -> Callable[[], None]:
-    """Wrap torch.distributed collectives so each call appends (name, payload bytes); returns undo."""
-    import torch
-    import torch.distributed as dist
-
-    saved = {}
-    for name in COUNTED:
-        if not hasattr(dist, name):
-            continue
-        orig = saved[name] = getattr(dist, name)
-
-        def wrapper(*args, _orig=orig, _name=name, **kwargs):
-            first = args[0] if args else next(iter(kwargs.values()), None)
-            tensors = first if isinstance(first, (list, tuple)) else [first]
-            calls.append((_name, sum(t.numel() * t.element_size() for t in tensors
-                                     if isinstance(t, torch.Tensor))))
-            return _orig(*args, **kwargs)
-
-        setattr(dist, name, wrapper)
-
-    def undo() -> None:
-        for name, orig in saved.items():
-            setattr(dist, name, orig)
-
-    return undo
-
-
-def _timed(fn: Callable[[], Any], all_reduce_max: Callable) -> tuple[Any, float, list[int]]:
-    """(value, seconds max over ranks, payload bytes of each collective call on this rank)."""
-    import torch
-    import torch.distributed as dist
-
-    from megatron_calibclip.parallel.devices import collective_device
-
-    dist.barrier()
-    calls: list[tuple[str, int]] = []
-    undo = _counting(calls)
-    try:
-        t0 = time.perf_counter()
-        value = fn()
-        elapsed = time.perf_counter() - t0
-    finally:
-        undo()
-    t = torch.tensor([elapsed], dtype=torch.float64, device=collective_device())
-    all_reduce_max(t)
-    return value, float(t), [b for _, b in calls]
-
-
-def _run_rank(rank: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
-    import torch
-    import torch.distributed as dist
-
-    from megatron_calibclip.calibration import CalibrationConfig
-    from megatron_calibclip.parallel.devices import collective_device
-
-    def all_reduce_max(t):
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-
-    configs = {name: CalibrationConfig(**VARIANTS[name]) for name in opts["variants"]}
-    # warm-up (untimed): gloo connections, allocator, lazy imports
-    warm = make_tokens(MIN_TOKENS * 10, rank, opts["seed"] + 1)
-    for cfg in configs.values():
-        estimator(cfg, *warm)
-    baseline(*warm)
-
-    rows = []
-    for n in opts["tokens"]:
-        local = make_tokens(n, rank, opts["seed"])
-        times: dict[str, list[float]] = {name: [] for name in configs}
-        times["baseline"] = []
-        last: dict[str, tuple[Any, list[int]]] = {}
-        for _ in range(opts["repeats"]):  # alternate the methods so that load hits both alike
-            for name, cfg in configs.items():
-                res, sec, calls = _timed(lambda cfg=cfg: estimator(cfg, *local), all_reduce_max)
-                times[name].append(sec)
-                last[name] = (res, calls)
-            ex, sec, calls = _timed(lambda: baseline(*local), all_reduce_max)
-            times["baseline"].append(sec)
-            last["baseline"] = (ex, calls)
-        # every rank must hold the same bounds (checked outside the timed region, uncounted)
-        mine = torch.tensor([[last[nm][0].log_lower, last[nm][0].log_upper] for nm in configs]
-                            + [[ex.log_lower, ex.log_upper]], dtype=torch.float64,
-                            device=collective_device())
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, mine)
-        same = all(torch.equal(mine.nan_to_num(), other.nan_to_num()) for other in everyone)
-        if rank != 0:
-            continue
-        ex, b_calls = last["baseline"]
-        row: dict[str, Any] = {
-            "tokens_per_rank": n,
-            "tokens_global": n * opts["ranks"],
-            "same_bounds_on_all_ranks": same,
-            "baseline": {
-                "wall_time_s": statistics.median(times["baseline"]),
-                "wall_time_s_runs": times["baseline"],
-                "bytes_per_rank": sum(b_calls),
-                "collectives": len(b_calls),
-                "bytes_per_collective": b_calls,
-                "log_lower": ex.log_lower,
-                "log_upper": ex.log_upper,
-            },
-            "estimator": {},
-        }
-        for name, cfg in configs.items():
-            res, e_calls = last[name]
-            if not res.ok:
-                raise RuntimeError(f"estimator ({name}) fell back: {res.reason}")
-            if sum(e_calls) != res.bytes_communicated or len(e_calls) != res.num_collectives:
-                raise RuntimeError(f"estimator ({name}) reported {res.bytes_communicated} bytes in "
-                                   f"{res.num_collectives} collectives, counted {e_calls}")
-            err_l = res.log_lower - ex.log_lower
-            err_h = res.log_upper - ex.log_upper
-            err_h_same_l = res.log_upper - ex.upper_for(res.log_lower)
-            row["estimator"][name] = {
-                "wall_time_s": statistics.median(times[name]),
-                "wall_time_s_runs": times[name],
-                "bytes_per_rank": sum(e_calls),
-                "collectives": len(e_calls),
-                "bytes_per_collective": e_calls,
-                "log_lower": res.log_lower,
-                "log_upper": res.log_upper,
-                "error_log_lower": err_l,
-                "error_log_upper": err_h,
-                "error_log_upper_for_returned_lower": err_h_same_l,
-                "resolution": res.resolution,
-            }
-        rows.append(row)
-    return rows
 
 
 # ----------------------------------------------------------------------------- report
