@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Print the CUDA call sites and source fingerprints of the megatron-core functions that
-patches/ relies on, in the form of patches/__init__.py's tables.
+patches/ relies on, in the form of the tables in patches/sites.py.
 
 Run after changing the pinned megatron-core; review every changed function, adapt the
 patches if needed, then paste the new tables (tests/test_patches.py checks them).
