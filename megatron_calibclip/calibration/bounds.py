@@ -25,6 +25,10 @@ then exact on the grid for the L* actually returned. See README.md.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -87,6 +91,14 @@ class CalibrationAccumulator:
         self._hist: DistributedHistogram | None = None
         self._done = False
         self.recorded: list[dict[str, torch.Tensor]] | None = None  # set to [] to keep inputs
+        self.merged_sums: tuple[torch.Tensor, torch.Tensor] | None = None  # set by compute()
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        """The histogram's grid, channels and scalars: merged sums pool only within one layout."""
+        args = self._hist_args
+        return {"lo": args["lo"], "hi": args["hi"], "bins": args["bins"],
+                "channels": list(args["channels"]), "scalars": list(args["scalars"])}
 
     @classmethod
     def from_config(cls, config: CalibrationConfig, eps_low: float, eps_high: float,
@@ -161,14 +173,27 @@ class CalibrationAccumulator:
         for name, value in sums.items():
             hist.add_scalar(name, value.to(torch.float64))
 
-    def compute(self, group: dist.ProcessGroup | None = None) -> CalibrationResult:
-        """Merge over `group` (one all-reduce; refinement adds one, rarely two) and compute."""
+    def compute(self, group: dist.ProcessGroup | None = None,
+                pool: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> CalibrationResult:
+        """Merge over `group` (one all-reduce; refinement adds one, rarely two) and compute.
+
+        `pool`: merged sums of earlier calibrations (`merged_sums`, oldest first) to solve on
+        together with this one; a pooled solve is one-pass (no refinement, see
+        CalibrationConfig.pool_calibrations). `merged_sums` keeps this step's own sums.
+        """
         if self._done:
             raise RuntimeError("compute() was already called on this accumulator")
         self._done = True
         hist = self._histogram(None)
         nbytes = all_reduce_histograms([hist], group)
-        return solve(self.spec, hist, group, nbytes, 1 if distributed_active() else 0)
+        self.merged_sums = hist.merged_sums()
+        spec = self.spec
+        for data, scalars in pool:
+            hist.add_merged(data, scalars)
+        if pool:
+            spec = dataclasses.replace(spec, refine=False)
+        result = solve(spec, hist, group, nbytes, 1 if distributed_active() else 0)
+        return dataclasses.replace(result, pooled_calibrations=1 + len(pool))
 
 
 def compute_calibrated_bounds(

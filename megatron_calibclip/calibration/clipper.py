@@ -12,11 +12,16 @@ itself trains with the bounds in force when it began"). Usage::
         for minibatch in minibatches:
             ...loss with (lower, upper)...; if acc: acc.add(lr8, lr_shadow, adv, mask)
         if acc is not None:
-            clipper.update(acc.compute(group=dp_cp_group), step)   # in force from step + 1
+            clipper.compute(acc, step, group=dp_cp_group)          # in force from step + 1
+
+With `pool_calibrations` m > 1 the clipper also keeps the merged histogram sums of the last
+m - 1 calibration steps (identical on every rank; in its checkpointed state) and solves each
+calibration on them together with the new step's.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from pathlib import Path
@@ -28,8 +33,11 @@ import torch.distributed as dist
 from megatron_calibclip.calibration.bounds import CalibrationAccumulator
 from megatron_calibclip.calibration.config import CalibrationConfig
 from megatron_calibclip.calibration.result import CalibrationResult
+from megatron_calibclip.calibration.solver import SCALARS
+from megatron_calibclip.parallel.devices import HOST
 
 STATE_FORMAT = "megatron_calibclip.CalibratedClipper/1"
+logger = logging.getLogger(__name__)
 
 
 class CalibratedClipper:
@@ -49,6 +57,7 @@ class CalibratedClipper:
         self._last_reason: str | None = None
         self._last_metrics: dict[str, float] = {}
         self._last_labels: dict[str, str] = {}
+        self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # merged sums, oldest first
 
     # ------------------------------------------------------------------ timing
     def is_calibration_step(self, step: int) -> bool:
@@ -92,7 +101,16 @@ class CalibratedClipper:
         """One-shot: compute from these tokens (a collective over `group`) and update."""
         acc = self.new_accumulator(logratio_fp8.device)
         acc.add(logratio_fp8, logratio_bf16, advantages, mask)
-        result = acc.compute(group)
+        return self.compute(acc, step, group=group)
+
+    def compute(self, acc: CalibrationAccumulator, step: int,
+                group: dist.ProcessGroup | None = None) -> CalibrationResult:
+        """Compute `acc` (a collective over `group`) pooled with the kept earlier calibrations,
+        then update; keeps this step's merged sums for the next ones (pool_calibrations)."""
+        result = acc.compute(group, pool=self._pool)
+        keep = self.config.pool_calibrations - 1
+        if keep > 0 and acc.merged_sums is not None and _finite_inputs(acc.merged_sums[1]):
+            self._pool = (self._pool + [acc.merged_sums])[-keep:]
         self.update(result, step)
         return result
 
@@ -179,6 +197,8 @@ class CalibratedClipper:
             "last_reason": self._last_reason,
             "last_metrics": dict(self._last_metrics),
             "last_labels": dict(self._last_labels),
+            "pool": [_sparse(data, scalars) for data, scalars in self._pool],
+            "pool_layout": self._layout(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -198,6 +218,42 @@ class CalibratedClipper:
         self._last_reason = state["last_reason"]
         self._last_metrics = {str(k): float(v) for k, v in state["last_metrics"].items()}
         self._last_labels = {str(k): str(v) for k, v in state.get("last_labels", {}).items()}
+        # states saved before pooling existed have no "pool"; a smaller pool_calibrations than the
+        # saved run's keeps the newest entries
+        keep = self.config.pool_calibrations - 1
+        pool = [_dense(entry) for entry in state.get("pool", [])]
+        if pool and state.get("pool_layout") != self._layout():
+            logger.warning("calibration pool not restored: it was saved with the histogram layout %s, "
+                           "this run's is %s; the next calibrations pool from scratch",
+                           state.get("pool_layout"), self._layout())
+            pool = []
+        self._pool = pool[max(0, len(pool) - keep):] if keep > 0 else []
+
+    def _layout(self) -> dict[str, Any]:
+        return self.new_accumulator().layout
+
+
+def _finite_inputs(scalars: torch.Tensor) -> bool:
+    """Whether a step's merged scalars count no non-finite token (a step that had some falls
+    back on its own and is not pooled: it would make the next pooled calibrations fall back)."""
+    return all(float(scalars[SCALARS.index(name)]) == 0.0 for name in ("n_nonfinite_ratio", "n_nonfinite_adv"))
+
+
+def _sparse(data: torch.Tensor, scalars: torch.Tensor) -> dict[str, Any]:
+    """A pooled step's merged sums as plain Python values (nonzero slots only: a small batch
+    fills few of the 16k bins)."""
+    flat = data.reshape(-1)
+    index = torch.nonzero(flat).reshape(-1)
+    return {"shape": list(data.shape), "index": index.tolist(), "value": flat[index].tolist(),
+            "scalars": scalars.tolist()}
+
+
+def _dense(entry: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = [int(n) for n in entry["shape"]]
+    flat = torch.zeros(math.prod(shape), dtype=torch.float64, device=HOST)
+    flat[torch.tensor(entry["index"], dtype=torch.long, device=HOST)] = torch.tensor(
+        entry["value"], dtype=torch.float64, device=HOST)
+    return flat.reshape(shape), torch.tensor(entry["scalars"], dtype=torch.float64, device=HOST)
 
 
 def _ema(old: float, new: float, beta: float, space: str) -> float:

@@ -159,6 +159,25 @@ class DistributedHistogram:
         self.reduced = True
         self._cum.clear()
 
+    def merged_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot sums per channel, scalar sums) after the merge, as CPU float64 copies: what a
+        later calibration pools (identical on every rank, so rank 0's copy is everyone's)."""
+        if not self.reduced:
+            raise RuntimeError("merged_sums() needs the merged histogram: call all_reduce() first")
+        return self._data.detach().cpu().clone(), self._scalars.detach().cpu().clone()
+
+    def add_merged(self, data: torch.Tensor, scalars: torch.Tensor) -> None:
+        """Add another merged histogram of the same layout (from `merged_sums`): pooling.
+        The kept samples are not extended, so a pooled histogram answers at bin resolution."""
+        if not self.reduced:
+            raise RuntimeError("add_merged() pools merged histograms: call all_reduce() first")
+        if tuple(data.shape) != tuple(self._data.shape) or tuple(scalars.shape) != tuple(self._scalars.shape):
+            raise ValueError(f"cannot pool a histogram of shape {tuple(data.shape)} + {tuple(scalars.shape)} "
+                             f"into {tuple(self._data.shape)} + {tuple(self._scalars.shape)}")
+        self._data += data.to(device=self.device, dtype=torch.float64)
+        self._scalars += scalars.to(device=self.device, dtype=torch.float64)
+        self._cum.clear()
+
     # ------------------------------------------------------------------ queries
     def scalar(self, name: str) -> float:
         return float(self._scalars[self.scalar_names.index(name)])

@@ -48,6 +48,7 @@ class CalibrationResult:
     n_pos_clipped_shadow: int = 0  # beta * |P|
     log_lower_raw: float | None = None  # log L* before the widen-only cap (also on later fallbacks)
     log_upper_raw: float | None = None  # log H* before the widen-only floor (also on later fallbacks)
+    pooled_calibrations: int = 1  # calibration steps whose tokens this result read (pool_calibrations)
 
     @property
     def ok(self) -> bool:

@@ -300,8 +300,7 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
     # ---- calibration: bounds for the next step --------------------------------------------
     if calibrating:
         with timer("calibration"):
-            result = acc.compute(group=c.dp_group)
-            c.clipper.update(result, step)
+            result = c.clipper.compute(acc, step, group=c.dp_group)
             c.clipper.save_inputs(acc, step, result, group=c.dp_group)
         stats.update(c.clipper.metrics())
         stats["calib/ran"] = 1.0

@@ -120,13 +120,23 @@ def test_calibrations_succeed_move_bounds_and_reach_the_loss(dist_pool, tmp_path
         assert math.log(r["clip/next_lower"]) == pytest.approx(want, abs=1e-12)
 
 
-def test_resume_in_the_middle_of_smoothing(dist_pool, tmp_path):
-    straight = dist_pool(2).run(_body, _cfg(tmp_path, "straight"), timeout=600)[0][0]
-    first = dist_pool(2).run(_body, _cfg(tmp_path, "resumed", steps=2), timeout=600)[0][0]
-    second = dist_pool(2).run(_body, _cfg(tmp_path, "resumed"), timeout=600)[0][0]
+@pytest.mark.parametrize("pool", [1, 2])
+def test_resume_in_the_middle_of_smoothing(dist_pool, tmp_path, pool):
+    """pool 2: each calibration also reads the previous step's merged histogram, which must
+    come back from the checkpoint for the resumed run to match."""
+    pooled = {"clipping": {"calibration": {"pool_calibrations": pool}}}
+    straight = dist_pool(2).run(_body, merge(_cfg(tmp_path, "straight"), pooled), timeout=600)[0][0]
+    first = dist_pool(2).run(_body, merge(_cfg(tmp_path, "resumed", steps=2), pooled), timeout=600)[0][0]
+    second = dist_pool(2).run(_body, merge(_cfg(tmp_path, "resumed"), pooled), timeout=600)[0][0]
     assert [r["step"] for r in second] == [2, 3]
     # the clipper at the resume point is not trivial: two smoothed calibrations behind it
     at_resume = first[-1]
     assert at_resume["calib/calibrations"] == 2.0 and at_resume["calib/fallback"] == 0.0
     assert (at_resume["clip/next_lower"], at_resume["clip/next_upper"]) != (0.6, 1.8)
     assert [_numbers(r) for r in first + second] == [_numbers(r) for r in straight]
+    # what each calibration read: this step's tokens and, pooled, the previous step's
+    for r in straight:
+        s = r["step"]
+        window = [_recorded(tmp_path / "straight" / "calib", t) for t in range(max(0, s - pool + 1), s + 1)]
+        assert r["calib/pooled_calibrations"] == len(window)
+        assert r["calib/n_neg"] == sum(int(((d["advantages"] < 0) & d["mask"]).sum()) for d in window)
