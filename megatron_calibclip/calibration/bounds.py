@@ -179,7 +179,8 @@ class CalibrationAccumulator:
 
         `pool`: merged sums of earlier calibrations (`merged_sums`, oldest first) to solve on
         together with this one; a pooled solve is one-pass (no refinement, see
-        CalibrationConfig.pool_calibrations). `merged_sums` keeps this step's own sums.
+        CalibrationConfig.pool_calibrations). A step without A < 0 tokens is not pooled (it
+        falls back on its own). `merged_sums` keeps this step's own sums.
         """
         if self._done:
             raise RuntimeError("compute() was already called on this accumulator")
@@ -187,6 +188,8 @@ class CalibrationAccumulator:
         hist = self._histogram(None)
         nbytes = all_reduce_histograms([hist], group)
         self.merged_sums = hist.merged_sums()
+        if hist.scalar("n_neg") == 0:
+            pool = ()  # no A < 0 token of its own: re-solving the old steps would count them twice
         spec = self.spec
         for data, scalars in pool:
             hist.add_merged(data, scalars)

@@ -37,6 +37,8 @@ from megatron_calibclip.calibration.solver import SCALARS
 from megatron_calibclip.parallel.devices import HOST
 
 STATE_FORMAT = "megatron_calibclip.CalibratedClipper/1"
+# fallbacks for lack of data (reason codes): retry_on_scarce_data calibrates again next step
+SCARCE_DATA = ("no_negative_tokens", "alpha_zero", "too_few_clipped_negative")
 logger = logging.getLogger(__name__)
 
 
@@ -58,10 +60,15 @@ class CalibratedClipper:
         self._last_metrics: dict[str, float] = {}
         self._last_labels: dict[str, str] = {}
         self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # merged sums, oldest first
+        self._retry_from: int | None = None  # retry_on_scarce_data: calibrate on every step from here
 
     # ------------------------------------------------------------------ timing
     def is_calibration_step(self, step: int) -> bool:
-        """True on steps 0, K, 2K, ...: run the shadow pass and calibrate on this step."""
+        """True on steps 0, K, 2K, ...: run the shadow pass and calibrate on this step; with
+        retry_on_scarce_data also on every step after a fallback for lack of data, until a
+        calibration runs with enough (a skipped step does not lose the retry)."""
+        if self._retry_from is not None and step >= self._retry_from:
+            return True
         return step >= 0 and step % self.config.period == 0
 
     def begin_step(self, step: int) -> tuple[float, float]:
@@ -109,7 +116,7 @@ class CalibratedClipper:
         then update; keeps this step's merged sums for the next ones (pool_calibrations)."""
         result = acc.compute(group, pool=self._pool)
         keep = self.config.pool_calibrations - 1
-        if keep > 0 and acc.merged_sums is not None and _finite_inputs(acc.merged_sums[1]):
+        if keep > 0 and acc.merged_sums is not None and _poolable(acc.merged_sums[1]):
             self._pool = (self._pool + [acc.merged_sums])[-keep:]
         self.update(result, step)
         return result
@@ -129,6 +136,8 @@ class CalibratedClipper:
         if reason is None and (result.lower is None or result.upper is None
                                or not math.isfinite(result.lower) or not math.isfinite(result.upper)):
             reason = "nonfinite_bound: the estimator returned no finite bound"  # never clamped
+        scarce = reason is not None and reason.split(":", 1)[0] in SCARCE_DATA
+        self._retry_from = step + 1 if scarce and cfg.retry_on_scarce_data else None
         if reason is not None:
             self._num_fallbacks += 1
             self._last_reason = reason
@@ -199,6 +208,7 @@ class CalibratedClipper:
             "last_labels": dict(self._last_labels),
             "pool": [_sparse(data, scalars) for data, scalars in self._pool],
             "pool_layout": self._layout(),
+            "retry_from": self._retry_from,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -220,6 +230,8 @@ class CalibratedClipper:
         self._last_labels = {str(k): str(v) for k, v in state.get("last_labels", {}).items()}
         # states saved before pooling existed have no "pool"; a smaller pool_calibrations than the
         # saved run's keeps the newest entries
+        retry = state.get("retry_from")  # absent in states saved before the option existed
+        self._retry_from = None if retry is None else int(retry)
         keep = self.config.pool_calibrations - 1
         pool = [_dense(entry) for entry in state.get("pool", [])]
         if pool and state.get("pool_layout") != self._layout():
@@ -233,10 +245,12 @@ class CalibratedClipper:
         return self.new_accumulator().layout
 
 
-def _finite_inputs(scalars: torch.Tensor) -> bool:
-    """Whether a step's merged scalars count no non-finite token (a step that had some falls
-    back on its own and is not pooled: it would make the next pooled calibrations fall back)."""
-    return all(float(scalars[SCALARS.index(name)]) == 0.0 for name in ("n_nonfinite_ratio", "n_nonfinite_adv"))
+def _poolable(scalars: torch.Tensor) -> bool:
+    """Whether a step's merged sums may join the pool: it has A < 0 tokens (a step without any
+    would take a slot and add nothing) and no non-finite one (such a step falls back on its
+    own, and pooled it would make the next calibrations fall back too)."""
+    value = lambda name: float(scalars[SCALARS.index(name)])  # noqa: E731
+    return value("n_neg") > 0 and value("n_nonfinite_ratio") == 0 and value("n_nonfinite_adv") == 0
 
 
 def _sparse(data: torch.Tensor, scalars: torch.Tensor) -> dict[str, Any]:

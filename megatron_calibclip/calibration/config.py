@@ -56,6 +56,13 @@ class CalibrationConfig:
     # The pooled steps' ratios are older (K to (m-1) K steps); pooled solves are one-pass (the
     # older steps' samples are not kept for refinement): error <= one bin (4.9e-4 in log r).
     pool_calibrations: int = 1
+    # [ours] A calibration that fell back for lack of data (no A < 0 token, the shadow clips
+    # none, or fewer than min_clipped_tokens) runs again on the next step instead of waiting K
+    # steps. Why: at small batch a late, low-entropy GRPO step often holds no group with mixed
+    # rewards, hence no A < 0 token at all (the reproduction: 6 of 10 calibration steps of
+    # fp8-calibrated), and those steps train nothing either; retrying costs one more shadow
+    # pass. false (default): the paper's fixed schedule, every K steps.
+    retry_on_scarce_data: bool = False
     # Calibration only widens the host's bounds: L <= 1 - eps_low and H >= 1 + eps_high
     # (H is solved for the L actually used). false lets it tighten them too.
     widen_only: bool = True
@@ -126,6 +133,8 @@ class CalibrationConfig:
                and self.min_clipped_tokens >= 1, "min_clipped_tokens", self.min_clipped_tokens, "an integer >= 1")
         _check(isinstance(self.pool_calibrations, int) and not isinstance(self.pool_calibrations, bool)
                and self.pool_calibrations >= 1, "pool_calibrations", self.pool_calibrations, "an integer >= 1")
+        _check(isinstance(self.retry_on_scarce_data, bool), "retry_on_scarce_data", self.retry_on_scarce_data,
+               "true or false")
         _check(isinstance(self.widen_only, bool), "widen_only", self.widen_only, "true or false")
         _check(self.record_dir is None or (isinstance(self.record_dir, str) and self.record_dir != ""),
                "record_dir", self.record_dir, "a folder path or null")

@@ -44,6 +44,44 @@ def test_period_and_timing_bounds_take_effect_from_the_next_step():
     assert clipper.begin_step(2) == (0.7, 1.4)
 
 
+@pytest.mark.parametrize("code", ["no_negative_tokens", "alpha_zero", "too_few_clipped_negative"])
+def test_retry_on_scarce_data_calibrates_again_next_step_until_one_runs(code):
+    def schedule(retry):
+        clipper = CalibratedClipper(CalibrationConfig(period=5, retry_on_scarce_data=retry),
+                                    eps_low=0.2, eps_high=0.28)
+        steps = []
+        for step in range(12):
+            clipper.begin_step(step)
+            if not clipper.is_calibration_step(step):
+                continue
+            steps.append(step)
+            if step in (0, 1, 5):  # no data on these
+                clipper.update(_result(None, None, reason=f"{code}: nothing to read"), step)
+            elif step == 2:
+                continue  # step 2 skipped by the trainer (no mixed group): the retry stays due
+            else:
+                assert clipper.update(_result(0.7, 1.4), step)
+        return steps, clipper
+
+    assert schedule(False)[0] == [0, 5, 10]  # the paper's schedule: data-less calibrations are lost
+    steps, clipper = schedule(True)
+    assert steps == [0, 1, 2, 3, 5, 6, 10]
+    state = json.loads(json.dumps(clipper.state_dict()))
+    assert state["retry_from"] is None
+    # a retry pending at a checkpoint survives it
+    pending = CalibratedClipper(CalibrationConfig(period=5, retry_on_scarce_data=True), eps_low=0.2, eps_high=0.28)
+    pending.update(_result(None, None, reason=f"{code}: nothing"), step=5)
+    restored = CalibratedClipper(CalibrationConfig(period=5, retry_on_scarce_data=True), eps_low=0.2, eps_high=0.28)
+    restored.load_state_dict(json.loads(json.dumps(pending.state_dict())))
+    assert restored.is_calibration_step(6) and not restored.is_calibration_step(4)
+
+
+def test_other_fallbacks_do_not_retry():
+    clipper = CalibratedClipper(CalibrationConfig(period=5, retry_on_scarce_data=True), eps_low=0.2, eps_high=0.28)
+    clipper.update(_result(None, None, reason="upper_out_of_range: H* 30 is outside"), step=0)
+    assert not clipper.is_calibration_step(1)
+
+
 def test_ema_smoothing_linear_option_and_clamps():
     cfg = CalibrationConfig(period=1, ema_beta=0.75, smoothing="linear")
     clipper = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)

@@ -96,6 +96,20 @@ def test_a_step_with_a_nonfinite_token_falls_back_and_is_not_pooled():
     assert res.n_neg == exact_lower(*(_union([good, last])[k] for k in KEYS), EPS_LOW, EPS_HIGH).n_neg
 
 
+def test_a_step_without_negative_tokens_takes_no_slot_in_the_pool():
+    first, last = small_step(1), small_step(3)
+    empty = small_step(2)
+    empty["adv"] = np.abs(empty["adv"])  # every group right (or wrong) alike: no A < 0 token
+    clipper = _clipper(2)
+    clipper.calibrate(*_tensors(first), step=0)
+    # its own guard decides (re-solving the pool alone would feed the EMA the same target twice)
+    alone = clipper.calibrate(*_tensors(empty), step=1)
+    assert alone.reason_code == "no_negative_tokens" and alone.pooled_calibrations == 1
+    res = clipper.calibrate(*_tensors(last), step=2)
+    assert res.pooled_calibrations == 2  # `first` is still in the pool of 2
+    assert res.n_neg == exact_lower(*(_union([first, last])[k] for k in KEYS), EPS_LOW, EPS_HIGH).n_neg
+
+
 def test_the_pool_survives_a_checkpoint_as_plain_values():
     steps = [small_step(seed) for seed in (4, 5, 6)]
     a = _clipper(3)
