@@ -40,9 +40,24 @@ def load_arms(folder: Path) -> dict[str, list[dict]]:
     return arms
 
 
+# rates over the tokens with A < 0: a step without any reads 0.0 in metrics.jsonl and is left
+# out of their means and curves (otherwise late, low-entropy steps whose groups all got the
+# same reward would pull the rates toward 0)
+NEG_RATES = ("loss/clipfrac_lower", "loss/phantom_clipfrac", "loss/shadow_clipfrac_lower")
+
+
+def has_negative_tokens(record: dict) -> bool:
+    """Whether the step trained on any token with A < 0: `neg_tokens` where logged; in older
+    metrics, a policy-gradient loss of exactly 0 (every advantage 0) means none."""
+    if isinstance(record.get("neg_tokens"), (int, float)):
+        return float(record["neg_tokens"]) > 0
+    return record.get("loss/pg_loss_token_mean") != 0.0
+
+
 def _values(records: list[dict], key: str) -> list[tuple[int, float]]:
     return [(r["step"], float(r[key])) for r in records
-            if isinstance(r.get(key), (int, float)) and math.isfinite(float(r[key]))]
+            if isinstance(r.get(key), (int, float)) and math.isfinite(float(r[key]))
+            and (key not in NEG_RATES or has_negative_tokens(r))]
 
 
 def _mean(pairs: list[tuple[int, float]]) -> Optional[float]:
@@ -61,13 +76,15 @@ def heldout(records: list[dict]) -> list[tuple[float, float]]:
 def arm_summary(records: list[dict], window: int = WINDOW) -> dict[str, Optional[float]]:
     """First/last-`window`-step means of the key series, peak entropy, held-out accuracy."""
     out: dict[str, Optional[float]] = {"steps": float(len(records))}
+    steps = [r["step"] for r in records]
+    first_end, last_start = min(steps, default=0) + window, max(steps, default=0) - window
     for key, name in (("reward_mean", "reward"), ("loss/entropy_mean", "entropy"),
                       ("loss/clipfrac_lower", "clip_neg"), ("loss/phantom_clipfrac", "phantom"),
                       ("loss/mult_prob_error", "mult_err"), ("loss/kl_mean", "kl"),
                       ("response_length_mean", "length")):
-        series = _values(records, key)
-        out[f"{name}_first"] = _mean(series[:window])
-        out[f"{name}_last"] = _mean(series[-window:])
+        series = _values(records, key)  # by step: the first / last `window` steps, not values
+        out[f"{name}_first"] = _mean([p for p in series if p[0] < first_end])
+        out[f"{name}_last"] = _mean([p for p in series if p[0] > last_start])
     ent = _values(records, "loss/entropy_mean")
     peak = max(ent, key=lambda p: p[1]) if ent else None
     out["entropy_peak"], out["entropy_peak_step"] = (peak[1], float(peak[0])) if peak else (None, None)
@@ -101,8 +118,9 @@ def summary_table(arms: dict[str, list[dict]], window: int = WINDOW) -> str:
         rows.append(f"| {arm} | {int(s['steps'])} | {pair('reward')} | {pair('entropy')} | {peak} "
                     f"| {pair('clip_neg')} | {pair('phantom')} | {pair('mult_err', 4)} "
                     f"| {pair('kl', 5)} | {acc} |")
-    return "\n".join(rows) + (f"\n\nFirst -> last {window}-step means; held-out accuracy "
-                              f"before the first and after the last update.")
+    return "\n".join(rows) + (f"\n\nFirst -> last {window}-step means (A<0 rates: over the steps "
+                              f"with A<0 tokens); held-out accuracy before the first and after the "
+                              f"last update.")
 
 
 STEP_WINDOW = 10  # width of the windows in the per-window table
@@ -123,20 +141,31 @@ def window_means(records: list[dict], key: str, width: int = STEP_WINDOW
             for start in range(0, last + 1, width)}
 
 
+def window_counts(records: list[dict], width: int = STEP_WINDOW) -> dict[int, int]:
+    """{first step of the window: steps in it that trained on a token with A < 0}."""
+    last = max((r["step"] for r in records), default=-1)
+    return {start: sum(1 for r in records if start <= r["step"] < start + width and has_negative_tokens(r))
+            for start in range(0, last + 1, width)}
+
+
 def window_table(arms: dict[str, list[dict]], width: int = STEP_WINDOW) -> str:
     """Markdown: one row per `width`-step window, each column the arms side by side."""
     names = list(arms)
-    head = "| steps | " + " | ".join(f"{label} ({' / '.join(names)})"
-                                     for _, label, _ in WINDOW_COLUMNS) + " |"
-    rows = [head, "|" + "---|" * (len(WINDOW_COLUMNS) + 1)]
+    head = ("| steps | " + " | ".join(f"{label} ({' / '.join(names)})" for _, label, _ in WINDOW_COLUMNS)
+            + f" | steps with A<0 tokens ({' / '.join(names)}) |")
+    rows = [head, "|" + "---|" * (len(WINDOW_COLUMNS) + 2)]
     means = {(arm, key): window_means(recs, key, width)
              for arm, recs in arms.items() for key, _, _ in WINDOW_COLUMNS}
+    counts = {arm: window_counts(recs, width) for arm, recs in arms.items()}
     starts = sorted({s for m in means.values() for s in m})
     for start in starts:
         cells = [" / ".join(_fmt(means[(arm, key)].get(start), digits) for arm in names)
                  for key, _, digits in WINDOW_COLUMNS]
+        cells.append(" / ".join(str(counts[arm][start]) if start in counts[arm] else "n/a" for arm in names))
         rows.append(f"| {start}-{start + width - 1} | " + " | ".join(cells) + " |")
-    return "\n".join(rows) + f"\n\n{width}-step means per arm (n/a: not measured in that arm)."
+    return "\n".join(rows) + (f"\n\n{width}-step means per arm (n/a: not measured in that arm). "
+                              "Rates over A<0 tokens average only the steps that had some (last column: "
+                              "how many; a step whose groups all got uniform rewards has none).")
 
 
 def heldout_table(arms: dict[str, list[dict]]) -> str:

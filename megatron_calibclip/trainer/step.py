@@ -338,6 +338,9 @@ def _reduce_loss_metrics(c: Components, counts: dict, extrema: dict) -> dict[str
     out = {f"loss/{k}": float(v) for k, v in finalize_metrics(present).items()}
     out["loss/ratio_min"], out["loss/ratio_max"] = float(mins[0]), float(-mins[1])
     out["tokens"] = float(total.get("tokens", 0.0))
+    # the denominators of the A<0 / A>0 rates: a rate of a step without such tokens reads 0.0
+    # (rl/diagnostics.py), and averages over steps need to know which steps had any
+    out["neg_tokens"], out["pos_tokens"] = float(total.get("neg_tokens", 0.0)), float(total.get("pos_tokens", 0.0))
     return out
 
 

@@ -8,9 +8,8 @@ import pytest
 from megatron_calibclip.config import ConfigError
 from megatron_calibclip.experiment.arms import load_experiment
 from megatron_calibclip.experiment.report import (BEGIN, END, arm_summary, heldout, heldout_table,
-                                                  load_arms,
-                                                  plot_arms, summary_table, window_table,
-                                                  write_table)
+                                                  load_arms, plot_arms, summary_table, window_counts,
+                                                  window_means, window_table, write_table)
 from megatron_calibclip.experiment.reproduce import arm_command, collect_metrics
 
 GOOD = """
@@ -123,6 +122,24 @@ def test_window_and_heldout_tables_match_means_computed_here():
     held = heldout_table({"a": a, "b": b}).splitlines()
     assert held[0] == "| arm | 0 | 10 | 20 | 30 |"
     assert held[2] == "| a | 0.30 | 0.40 | 0.50 | 0.70 |"
+
+
+def test_rates_over_negative_tokens_leave_out_steps_without_any():
+    recs = _records(0.0)
+    for r in recs:
+        r["loss/pg_loss_token_mean"] = -0.01
+        r["loss/clipfrac_lower"] = 0.1
+    for s in range(5):  # steps 0-4: no token with A < 0 (every group got uniform rewards)
+        recs[s].update({"neg_tokens": 0.0, "loss/clipfrac_lower": 0.0})
+    recs[12].update({"loss/pg_loss_token_mean": 0.0, "loss/clipfrac_lower": 0.0})  # older metrics: no neg_tokens
+    recs[13]["neg_tokens"] = 40.0  # logged and nonzero
+    assert window_counts(recs) == {0: 5, 10: 9, 20: 10}
+    assert window_means(recs, "loss/clipfrac_lower") == {0: pytest.approx(0.1), 10: pytest.approx(0.1),
+                                                         20: pytest.approx(0.1)}
+    assert window_means(recs, "reward_mean")[0] == pytest.approx(sum(0.1 + 0.01 * i for i in range(10)) / 10)
+    assert arm_summary(recs, window=20)["clip_neg_first"] == pytest.approx(0.1)
+    row = [line for line in window_table({"a": recs}).splitlines() if line.startswith("| 0-9 |")][0]
+    assert row.endswith(" | 5 |")
 
 
 def test_report_collects_plots_and_fills_the_doc(tmp_path, capsys):

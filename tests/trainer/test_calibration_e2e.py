@@ -106,6 +106,7 @@ def test_calibrations_succeed_move_bounds_and_reach_the_loss(dist_pool, tmp_path
                            data["mask"], 0.2, 0.2, rule="log_scale", min_clipped=4, widen_only=False)
         assert ref.reason is None
         assert r["calib/n_neg"] == int(((data["advantages"] < 0) & data["mask"]).sum())
+        assert r["neg_tokens"] == r["calib/n_neg"]  # the loss's denominator of its A<0 rates
         # L* rounded up to the estimator's grid (exp then log in the record: 1e-12 slack)
         gap = math.log(r["calib/lower_raw"]) - ref.log_lower_raw
         assert -1e-12 <= gap <= r["calib/resolution"] + 1e-9
