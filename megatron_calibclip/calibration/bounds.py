@@ -174,20 +174,23 @@ class CalibrationAccumulator:
             hist.add_scalar(name, value.to(torch.float64))
 
     def compute(self, group: dist.ProcessGroup | None = None,
-                pool: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> CalibrationResult:
+                pool: Sequence[tuple[torch.Tensor, torch.Tensor]] = (), *,
+                keep_merged: bool = False) -> CalibrationResult:
         """Merge over `group` (one all-reduce; refinement adds one, rarely two) and compute.
 
         `pool`: merged sums of earlier calibrations (`merged_sums`, oldest first) to solve on
         together with this one; a pooled solve is one-pass (no refinement, see
         CalibrationConfig.pool_calibrations). A step without A < 0 tokens is not pooled (it
-        falls back on its own). `merged_sums` keeps this step's own sums.
+        falls back on its own). `keep_merged`: copy this step's own sums to `merged_sums` (only
+        a pooling clipper needs them; the copy is the whole histogram).
         """
         if self._done:
             raise RuntimeError("compute() was already called on this accumulator")
         self._done = True
         hist = self._histogram(None)
         nbytes = all_reduce_histograms([hist], group)
-        self.merged_sums = hist.merged_sums()
+        if keep_merged:
+            self.merged_sums = hist.merged_sums()
         if hist.scalar("n_neg") == 0:
             pool = ()  # no A < 0 token of its own: re-solving the old steps would count them twice
         spec = self.spec

@@ -114,8 +114,8 @@ class CalibratedClipper:
                 group: dist.ProcessGroup | None = None) -> CalibrationResult:
         """Compute `acc` (a collective over `group`) pooled with the kept earlier calibrations,
         then update; keeps this step's merged sums for the next ones (pool_calibrations)."""
-        result = acc.compute(group, pool=self._pool)
         keep = self.config.pool_calibrations - 1
+        result = acc.compute(group, pool=self._pool, keep_merged=keep > 0)
         if keep > 0 and acc.merged_sums is not None and _poolable(acc.merged_sums[1]):
             self._pool = (self._pool + [acc.merged_sums])[-keep:]
         self.update(result, step)
