@@ -135,10 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from megatron_calibclip.fp8.gemm import gemm_path
     from megatron_calibclip.fp8.weight_cache import weight_cache_policy
 
     try:  # a typo in the environment is a one-line error, not a traceback at the first forward
         weight_cache_policy()
+        gemm_path()
     except ValueError as err:
         print(f"calibclip: {err}", file=sys.stderr)
         return 2

@@ -11,6 +11,9 @@ def add_bench_parser(subparsers) -> None:
     from megatron_calibclip.bench.weight_cache import add_weight_cache_parser
 
     add_weight_cache_parser(sub)
+    from megatron_calibclip.bench.gemm import add_gemm_parser
+
+    add_gemm_parser(sub)
     try:
         from megatron_calibclip.bench.quantile import add_quantile_parser
     except ImportError:  # pragma: no cover - lands separately

@@ -9,15 +9,12 @@ not a comparison of two runs. The two arms must agree bit for bit: every logged 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-PHASES = ("rollout", "reward", "logprobs", "shadow", "update", "calibration")
+from megatron_calibclip.bench.arms import phase_means, run_arm, speedups
+
 ARMS = ("off", "on")
 
 
@@ -31,25 +28,6 @@ def add_weight_cache_parser(sub) -> None:
     p.set_defaults(func=run_weight_cache)
 
 
-def _arm(cfg, steps: int) -> tuple[list[dict], list]:
-    """Run `steps` RL steps from freshly built components; (metrics per step, parameters)."""
-    from megatron_calibclip.trainer.components import build_components
-    from megatron_calibclip.trainer.step import train_step
-
-    with tempfile.TemporaryDirectory() as tmp:
-        c = build_components(cfg, Path(tmp))
-        records = []
-        for i in range(steps):
-            t = time.perf_counter()
-            m = train_step(c, i)
-            m["time/step"] = time.perf_counter() - t
-            records.append(m)
-        params = [p.detach().clone() for p in c.policy.parameters()]
-        del c
-        gc.collect()
-    return records, params
-
-
 def _values(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith("time/")}
 
@@ -57,12 +35,6 @@ def _values(record: dict) -> dict:
 def _same(a, b) -> bool:
     """Equal, counting NaN == NaN (a metric that is NaN in both arms agrees)."""
     return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
-
-
-def _phase_means(records: list[dict]) -> dict[str, float]:
-    out = {p: statistics.fmean(r.get(f"time/{p}", 0.0) for r in records) for p in PHASES}
-    out["step"] = statistics.fmean(r["time/step"] for r in records)
-    return {k: round(v, 3) for k, v in out.items()}
 
 
 def compare_arms(results: dict[str, tuple[list[dict], list]]) -> dict:
@@ -84,8 +56,8 @@ def compare_arms(results: dict[str, tuple[list[dict], list]]) -> dict:
     if dist.is_initialized():  # every rank's shard
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     params_equal = bool(flag.item() == 1.0)
-    off, on = _phase_means(off_rec), _phase_means(on_rec)
-    speedup = {k: round(off[k] / on[k], 2) for k in off if on[k] > 0 and off[k] > 0}
+    off, on = phase_means(off_rec), phase_means(on_rec)
+    speedup = speedups(off, on)
     return {"phases_off": off, "phases_on": on, "speedup": speedup,
             "per_step_seconds": {"off": [round(r["time/step"], 2) for r in off_rec],
                                  "on": [round(r["time/step"], 2) for r in on_rec]},
@@ -112,7 +84,7 @@ def run_weight_cache(args: argparse.Namespace) -> int:
         results = {}
         for arm in ARMS:
             set_weight_cache_policy(arm)
-            results[arm] = _arm(cfg, args.steps)
+            results[arm] = run_arm(cfg, args.steps)
         set_weight_cache_policy(None)
         a = cfg.algorithm
         result = {"benchmark": "weight-cache", "config": args.config,

@@ -33,16 +33,19 @@ The emulated GEMM does what the hardware does, in fp32 on CPU:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from megatron_calibclip.fp8 import native as native_kernels
 from megatron_calibclip.fp8.backend import check_backend_supports, linear_backend
 from megatron_calibclip.fp8.delayed import AmaxHistory
 from megatron_calibclip.fp8.formats import round_to_bf16
+from megatron_calibclip.fp8.gemm import gemm_path
+from megatron_calibclip.fp8.linear_gemm import _Gemm, _q, _qd, _state
+from megatron_calibclip.fp8.linear_native import native_backward, native_forward
 from megatron_calibclip.fp8.precision import PrecisionState, rounds_activations
 from megatron_calibclip.fp8.quantize import Quantized, quantize, quantize_dequantize, same_both_ways
 from megatron_calibclip.fp8.recipe import ROLE_VALUES, FP8Recipe
@@ -72,29 +75,6 @@ def _wgrad_fp8(t: torch.Tensor, q: Quantized, recipe, role: str) -> Fp8Operand:
     return fp8_operand(tq, 0, recipe.granularity)
 
 
-@dataclass
-class _Gemm:
-    """What one emulated GEMM call needs besides its tensors."""
-
-    mode: str  # "bf16" or "fp8"
-    recipe: Optional[FP8Recipe]
-    states: Optional[dict[str, AmaxHistory]]  # delayed scaling only
-    backend: str = "emulated"  # fp8 GEMMs: "emulated" (fp32 math) or "torch" (_scaled_mm)
-    weights: Optional[WeightCache] = None  # the layer's cached weight operands
-
-
-def _state(gemm: _Gemm, role: str) -> Optional[AmaxHistory]:
-    return gemm.states[role] if gemm.states is not None else None
-
-
-def _qd(x: torch.Tensor, gemm: _Gemm, role: str, axis: int) -> torch.Tensor:
-    return quantize_dequantize(x, gemm.recipe, role, axis=axis, state=_state(gemm, role))
-
-
-def _q(x: torch.Tensor, gemm: _Gemm, role: str, axis: int) -> Quantized:
-    return quantize(x, gemm.recipe, role, axis=axis, state=_state(gemm, role))
-
-
 class _EmulatedLinearFunction(torch.autograd.Function):
     """y = x W^T (+ b) with emulated operand rounding; TP dgrad all-reduce as megatron's."""
 
@@ -110,7 +90,11 @@ class _EmulatedLinearFunction(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         x_for_wgrad = w_for_dgrad = None
         x_fp8 = w_fp8 = Fp8Operand(None, None)  # the torch backend's wgrad / dgrad operands
-        if gemm.mode == "bf16":
+        ctx.native = None
+        if gemm.native:  # BF16 kernels on the bf16 copies / FP8 codes (fp8/linear_native.py)
+            out, ctx.native = native_forward(x2, weight, b, gemm, need_dgrad, need_wgrad,
+                                             bf16_io)
+        elif gemm.mode == "bf16":
             wf = gemm.weights.operands(weight, None).forward_copy
             out = x2 @ wf.t()
             x_for_wgrad, w_for_dgrad = x2, wf
@@ -136,9 +120,9 @@ class _EmulatedLinearFunction(torch.autograd.Function):
                     x_for_wgrad = _wgrad_operand(x2, xf, recipe, "activation")
                 if need_dgrad:
                     w_for_dgrad = ops.dgrad_copy()
-        if b is not None:
+        if b is not None and not gemm.native:
             out = out + b
-        if bf16_io:
+        if bf16_io and not gemm.native:
             out = round_to_bf16(out)  # the GEMM's bf16 output (TE's FP8 GEMMs output bf16 too)
         ctx.save_for_backward(x_for_wgrad, w_for_dgrad, x_fp8.codes, x_fp8.scale, w_fp8.codes,
                               w_fp8.scale)
@@ -157,7 +141,10 @@ class _EmulatedLinearFunction(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).float()
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_b = None
-        if gemm.mode == "fp8" and gemm.backend == "torch":
+        if ctx.native is not None:
+            grad_x, grad_w = native_backward(g2, gemm, ctx.native, need_dgrad, need_wgrad)
+            ctx.native = None  # free the saved operands with the graph's first use
+        elif gemm.mode == "fp8" and gemm.backend == "torch":
             grad_x, grad_w = _scaled_mm_grads(g2, gemm, x_for_wgrad, Fp8Operand(x_codes, x_scale),
                                               Fp8Operand(w_codes, w_scale), need_dgrad,
                                               need_wgrad)
@@ -315,7 +302,10 @@ class _EmulatedLinearMixin:
                                  "emulated layer spec; build it with the Transformer Engine spec "
                                  "or set fp8.backend to 'torch' / 'emulated'")
             check_backend_supports(backend, recipe.granularity)
-        gemm = _Gemm(mode, recipe if mode == "fp8" else None, states, backend, self.weight_cache)
+        native = gemm_path() == "native" and backend == "emulated" and (
+            mode == "bf16" or native_kernels.supports(recipe))
+        gemm = _Gemm(mode, recipe if mode == "fp8" else None, states, backend, self.weight_cache,
+                     native)
         if allreduce_dgrad and tp_group is None:
             from megatron.core.parallel_state import get_tensor_model_parallel_group
 

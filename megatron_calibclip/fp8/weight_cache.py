@@ -29,6 +29,7 @@ import torch
 
 from megatron_calibclip.fp8.delayed import AmaxHistory
 from megatron_calibclip.fp8.formats import round_to_bf16
+from megatron_calibclip.fp8.native import GemmOperand, native_operand
 from megatron_calibclip.fp8.quantize import Quantized, quantize, same_both_ways
 from megatron_calibclip.fp8.recipe import FP8Recipe
 from megatron_calibclip.fp8.scaled_mm import Fp8Operand, fp8_operand
@@ -84,29 +85,51 @@ def _source(weight: torch.Tensor, recipe: Optional[FP8Recipe]) -> torch.Tensor:
     return round_to_bf16(w) if recipe is None or recipe.weight_source == "bf16" else w
 
 
+def _bf16_copy(weight: torch.Tensor) -> torch.Tensor:
+    """The bf16 model copy a BF16 GEMM reads (2 bytes per weight, as on a GPU)."""
+    return weight.detach().to(torch.bfloat16)
+
+
 @dataclass
 class WeightOperands:
     """The weight as one forward's GEMMs read it (bf16: the bf16 copy; fp8: the codes)."""
 
     weight: torch.Tensor  # the master (to rebuild the transposed copy lazily)
     recipe: Optional[FP8Recipe]  # None in bf16 mode
-    # bf16 mode: the bf16 copy (fp32 values); fp8: None until the emulated GEMM asks for the
-    # dequantized codes (`forward_copy`): the torch backend reads only the codes, so a GPU
-    # run keeps 1 byte per weight here, not 4 more
+    # fp32 values the fp32 emulation (gemm path "fp32") multiplies with, built on first use:
+    # bf16 mode the bf16 copy, fp8 the dequantized codes; the native kernels and the torch
+    # backend never build it (a GPU run keeps the 1-byte codes here, not 4 more bytes)
     _forward: Optional[torch.Tensor]
     quantized: Optional[Quantized] = None  # fp8: codes + scales (the torch backend's input)
+    bf16_copy: Optional[torch.Tensor] = None  # bf16 mode: the bf16 weight (bf16 dtype)
     amax: Optional[torch.Tensor] = None  # delayed: re-recorded at every hit
     scale: Optional[torch.Tensor] = None  # delayed: the scale these codes were made with
     _dgrad: Optional[torch.Tensor] = field(default=None, repr=False)
     _dgrad_q: Optional[Quantized] = field(default=None, repr=False)
     _dgrad_fp8: Optional[Fp8Operand] = field(default=None, repr=False)
+    _native: Optional[GemmOperand] = field(default=None, repr=False)
+    _native_dgrad: Optional[GemmOperand] = field(default=None, repr=False)
 
     @property
     def forward_copy(self) -> torch.Tensor:
-        """fp32 values the emulated forward GEMM multiplies with (built on first use)."""
+        """fp32 values the fp32-emulated forward GEMM multiplies with (built on first use)."""
         if self._forward is None:
-            self._forward = self.quantized.dequantize(torch.float32)
+            self._forward = self.bf16_copy.float() if self.recipe is None \
+                else self.quantized.dequantize(torch.float32)
         return self._forward
+
+    def native_forward(self) -> GemmOperand:
+        """The FP8 weight as the native forward GEMM reads it ([out, in], K = in)."""
+        if self._native is None:
+            self._native = native_operand(self.quantized, -1, self.recipe)
+        return self._native
+
+    def native_dgrad(self) -> GemmOperand:
+        """The FP8 weight as the native dgrad GEMM reads it: W^T [in, out] (K = out),
+        quantized along the output dim."""
+        if self._native_dgrad is None:
+            self._native_dgrad = native_operand(self._dgrad_quantized(), 0, self.recipe)
+        return self._native_dgrad
 
     def _dgrad_quantized(self) -> Quantized:
         """The weight quantized along the output dim (the dgrad GEMM's reduction dim): the
@@ -138,19 +161,23 @@ class WeightOperands:
 
 def _build(weight: torch.Tensor, recipe: Optional[FP8Recipe],
            state: Optional[AmaxHistory]) -> WeightOperands:
-    w = _source(weight, recipe)
     if recipe is None:  # bf16 GEMM
-        return WeightOperands(weight, None, w)
+        return WeightOperands(weight, None, None, bf16_copy=_bf16_copy(weight))
+    w = _source(weight, recipe)
     scale = amax = None
     if state is not None:
         scale, amax = state.scale.clone(), w.abs().amax()
     q = quantize(w, recipe, "weight", axis=-1, state=state)
-    return WeightOperands(weight, recipe, None, q, amax, scale)
+    return WeightOperands(weight, recipe, None, q, amax=amax, scale=scale)
 
 
 def _same_codes(a: Quantized, b: Quantized) -> bool:
     return torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) \
         and torch.equal(a.scale_inv, b.scale_inv)
+
+
+def _same_scale(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def _same(fresh: WeightOperands, cached: WeightOperands) -> bool:
@@ -159,9 +186,15 @@ def _same(fresh: WeightOperands, cached: WeightOperands) -> bool:
     if (fresh.quantized is None) != (cached.quantized is None):
         return False
     if fresh.quantized is None:  # bf16: the copy itself
-        return torch.equal(fresh.forward_copy, cached.forward_copy)
+        return torch.equal(fresh.bf16_copy, cached.bf16_copy)
     if not _same_codes(fresh.quantized, cached.quantized):
         return False
+    for lazy in ("_native", "_native_dgrad"):
+        old = getattr(cached, lazy)
+        if old is not None:
+            new = fresh.native_forward() if lazy == "_native" else fresh.native_dgrad()
+            if not (torch.equal(new.values, old.values) and _same_scale(new.scale, old.scale)):
+                return False
     if cached._forward is not None and not torch.equal(fresh.forward_copy, cached._forward):
         return False
     if cached._dgrad is not None and not torch.equal(fresh.dgrad_copy(), cached._dgrad):

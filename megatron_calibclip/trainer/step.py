@@ -52,18 +52,24 @@ class StepData:
 
 
 class Timer:
+    """Wall seconds per phase, and this process's CPU seconds (all its threads), which other
+    processes on a shared machine do not inflate: what benchmarks compare."""
+
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
+        self.cpu_times: dict[str, float] = {}
 
     def __call__(self, name: str):
         timer = self
 
         class _Ctx:
             def __enter__(self):
-                self.t = time.perf_counter()
+                self.t, self.c = time.perf_counter(), time.process_time()
 
             def __exit__(self, *exc):
                 timer.times[name] = timer.times.get(name, 0.0) + time.perf_counter() - self.t
+                timer.cpu_times[name] = (timer.cpu_times.get(name, 0.0)
+                                         + time.process_time() - self.c)
 
         return _Ctx()
 
@@ -201,6 +207,7 @@ def train_step(c: Components, step: int) -> dict[str, Any]:
     stats.update(update_policy(c, data, step, lower, upper, calibrating, timer))
     for k, v in timer.times.items():
         stats[f"time/{k}"] = v
+        stats[f"time/cpu/{k}"] = timer.cpu_times[k]
     return stats
 
 

@@ -273,6 +273,7 @@ def test_verify_mode_compares_the_dgrad_codes():
 
 def _model_body(rank, world_size, granularity):
     from megatron_calibclip.fp8 import fp8_linear_classes, set_precision
+    from megatron_calibclip.fp8.gemm import using_gemm_path
     from megatron_calibclip.models import build_policy_model, get_preset, local_layer_spec
     from megatron_calibclip.parallel import model_parallel
 
@@ -289,15 +290,19 @@ def _model_body(rank, world_size, granularity):
         model = build_policy_model(cfg, spec=local_layer_spec(cfg, **fp8_linear_classes()), seed=0)
         tokens = torch.randint(1, 1000, (3, 40), generator=torch.Generator().manual_seed(2))
         pos = torch.arange(40).expand(3, -1)
-        for backend in ("emulated", "torch"):
-            set_precision(model, "fp8", FP8Recipe(granularity=granularity, backend=backend,
-                                                  amax_history_len=4))
+        # the fp32 emulation (gemm path "fp32", every GEMM an fp32 GEMM) beside the torch
+        # backend on the same path for its BF16 GEMMs, and the native kernels
+        for backend, path in (("emulated", "fp32"), ("torch", "fp32"), ("native", "native")):
+            set_precision(model, "fp8", FP8Recipe(
+                granularity=granularity, backend="torch" if backend == "torch" else "emulated",
+                amax_history_len=4))
             for m in model.modules():  # the same delayed-scaling history for both
                 if hasattr(m, "reset_fp8_state"):
                     m.reset_fp8_state()
             model.zero_grad()
-            logits = model(tokens, pos, None)
-            logits.float().pow(2).mean().backward()
+            with using_gemm_path(path):
+                logits = model(tokens, pos, None)
+                logits.float().pow(2).mean().backward()
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
             out[backend] = (logits.detach(), grads)
             out[f"calls_{backend}"] = out["scaled_mm_calls"]
@@ -311,12 +316,18 @@ def test_torch_backend_matches_the_emulation_through_the_model(dist_pool, granul
     for out in dist_pool(2).run(_model_body, granularity):
         # 4 linears x 2 layers, each three real FP8 GEMMs (forward, dgrad, wgrad), only under
         # the torch backend
-        assert (out["calls_emulated"], out["calls_torch"]) == (0, 24)
+        assert (out["calls_emulated"], out["calls_torch"], out["calls_native"]) == (0, 24, 24)
         (l_emu, g_emu), (l_torch, g_torch) = out["emulated"], out["torch"]
         if _CPU_SCALED_MM_DEQUANTIZES:  # the same codes, scales and fp32 GEMMs: bit for bit
             assert torch.equal(l_torch, l_emu)
             assert all(torch.equal(g_torch[name], grad) for name, grad in g_emu.items())
         scale = l_emu.abs().max().item()
         assert torch.allclose(l_torch, l_emu, rtol=1e-5, atol=1e-5 * scale)
+        # the native kernels: scales after the fp32 sum (GPU order), BF16 GEMMs elsewhere
+        l_nat, g_nat = out["native"]
+        assert torch.allclose(l_nat, l_emu, rtol=2e-2, atol=2e-2 * scale)
+        for name, grad in g_emu.items():
+            assert torch.allclose(g_nat[name], grad, rtol=0.05,
+                                  atol=0.05 * grad.abs().max().item()), name
         for name, grad in g_emu.items():
             assert torch.allclose(g_torch[name], grad, rtol=1e-4, atol=1e-6), name

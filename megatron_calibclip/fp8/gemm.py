@@ -1,0 +1,107 @@
+"""The GEMM kernels our linears run, and which path runs them.
+
+Why native BF16 kernels: a GPU multiplies BF16 (and FP8) operands with fp32 accumulation and
+writes BF16, and so can this CPU (AVX-512 BF16: measured 2.3-2.9x faster than an fp32 GEMM
+at the SmolLM2 step's shapes). The earlier emulation multiplied bf16-rounded or dequantized
+values held in fp32 with fp32 GEMMs: the same products, 2-3x the time and a 4-byte copy of
+every weight. Every value an FP8 recipe puts into a GEMM is exactly a BF16 number (an E4M3 /
+E5M2 code, or a code times a power-of-two scale), so BF16 kernels lose nothing on them.
+
+Two kernels:
+- `bf16_linear`: BF16 inputs, fp32 accumulation, bias added to the fp32 sum, one rounding to
+  BF16 at the end (a tensor core's BF16 output). Checked: torch's CPU kernel (oneDNN) rounds
+  once, also with a bias (tests/fp8/test_gemm.py).
+- `fp32_out_mm`: BF16-exact inputs, fp32 accumulation, **fp32 output**: for sums that a scale
+  multiplies afterwards (an FP8 GEMM with fp32 scales: rounding the sum to BF16 before the
+  scale would round twice, and differ from the GPU in ~26% of outputs by one BF16 step) and
+  for weight gradients (fp32 main_grad, as megatron's fused wgrad accumulation). On CUDA:
+  `torch.mm(..., out_dtype=torch.float32)` on BF16 operands (torch 2.13's `aten::mm.dtype`:
+  CUDA kernel and Meta registration, fp32 output from fp16/bf16 inputs only). On the CPU
+  torch has no BF16 GEMM with fp32 output; oneDNN's fp32 GEMM in BF16 "fpmath" mode is one
+  (inputs converted to BF16, exact here since they are BF16 values; fp32 accumulation and
+  output), ~1.2-1.7x faster than the plain fp32 GEMM; without oneDNN it is the fp32 GEMM.
+
+`CALIBCLIP_GEMM` / `set_gemm_path`: "native" (default) runs these kernels; "fp32" is the
+earlier emulation (fp32 GEMMs on rounded / dequantized values), kept as the reference and
+for side-by-side benchmarks (`calibclip bench step --gemm both`).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+GEMM_PATHS = ("native", "fp32")
+_ENV = "CALIBCLIP_GEMM"
+_path: Optional[str] = None
+
+
+def gemm_path() -> str:
+    """The path in force: set_gemm_path's, else $CALIBCLIP_GEMM, else "native"."""
+    if _path is not None:
+        return _path
+    value = os.environ.get(_ENV, "native").strip().lower() or "native"
+    if value not in GEMM_PATHS:
+        raise ValueError(f"{_ENV}={value!r} is not one of {list(GEMM_PATHS)}")
+    return value
+
+
+def set_gemm_path(path: Optional[str]) -> None:
+    """Override the path for this process (None: back to the environment's)."""
+    global _path
+    if path is not None and path not in GEMM_PATHS:
+        raise ValueError(f"GEMM path {path!r} is not one of {list(GEMM_PATHS)}")
+    _path = path
+
+
+@contextlib.contextmanager
+def using_gemm_path(path: str) -> Iterator[None]:
+    """`with using_gemm_path("fp32"): ...` (restored afterwards, also on error)."""
+    global _path
+    previous = _path
+    set_gemm_path(path)
+    try:
+        yield
+    finally:
+        _path = previous
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+    """BF16 [m, n] = x [m, K] @ w [n, K]^T (+ bias), fp32 accumulation, one rounding."""
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise TypeError(f"bf16_linear takes bf16 operands, got {x.dtype} and {w.dtype}")
+    return F.linear(x, w, None if bias is None else bias.to(torch.bfloat16))
+
+
+def _onednn_bf16_fpmath() -> bool:
+    """Whether this torch routes fp32 CPU GEMMs through oneDNN's BF16 fpmath mode."""
+    mkldnn = torch.backends.mkldnn
+    return (mkldnn.is_available() and hasattr(mkldnn, "matmul")
+            and hasattr(mkldnn.matmul, "fp32_precision"))
+
+
+@contextlib.contextmanager
+def _cpu_bf16_fpmath() -> Iterator[None]:
+    matmul = torch.backends.mkldnn.matmul
+    previous = matmul.fp32_precision
+    matmul.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = previous
+
+
+def fp32_out_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 [m, n] = a [m, K] @ b [n, K]^T for operands that hold BF16 values (any float
+    dtype): exact products, fp32 accumulation, fp32 output (no rounding of the sum)."""
+    if a.device.type != "cpu":  # CUDA (and the meta device): aten::mm.dtype, bf16 -> fp32
+        return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16).t(), out_dtype=torch.float32)
+    a32, b32 = a.float(), b.float()
+    if _onednn_bf16_fpmath():
+        with _cpu_bf16_fpmath():
+            return a32 @ b32.t()
+    return a32 @ b32.t()
