@@ -4,10 +4,12 @@ The fixture holds the old code's outputs on 51 cases (policy_loss_reference.py s
 was made). Every loss, gradient, metric, count and extremum must be torch.equal, and every
 key list must keep its order.
 """
+import dataclasses
+
 import pytest
 import torch
 
-from megatron_calibclip.rl import policy_loss
+from megatron_calibclip.rl import LossConfig, LossInputs, policy_loss
 from tests.rl.policy_loss_reference import FIXTURE, run_case
 
 RECORDED = torch.load(FIXTURE, weights_only=True)
@@ -41,3 +43,35 @@ def test_fixture_covers_every_option():
 @pytest.mark.parametrize("case, ref", CASES, ids=[c["name"] for c, _ in CASES])
 def test_keyword_form_is_bit_identical(case, ref):
     assert_same(run_case(policy_loss, case), ref)
+
+
+def _records(case: dict) -> tuple[LossInputs, LossConfig, dict]:
+    """Sort a case's keywords into the two records by hand (not through the keyword form)."""
+    inputs = {k: v for k, v in case.items() if k in INPUT_NAMES}
+    options = {k: v for k, v in case.items() if k in fields_of(LossConfig)}
+    if options.get("correction", "none") is None:
+        options["correction"] = "none"
+    rest = {k: v for k, v in case.items() if k not in inputs and k not in options and k != "name"}
+    return LossInputs(**inputs), LossConfig(**options), rest
+
+
+@pytest.mark.parametrize("case, ref", CASES, ids=[c["name"] for c, _ in CASES])
+def test_record_form_is_bit_identical(case, ref):
+    """policy_loss(LossInputs, config=LossConfig) - the trainer's call - gives the recorded outputs."""
+    inputs, config, rest = _records(case)
+    assert set(rest) <= {"clip_low", "clip_high", "validate"}
+
+    def record_form(lp, old, adv, mask, **kw):
+        entropy = kw.get("entropy")
+        inp = dataclasses.replace(inputs, logprobs=lp, entropy=entropy)
+        return policy_loss(inp, config=config, clip_low=rest["clip_low"], clip_high=rest["clip_high"],
+                           validate=rest.get("validate", True))
+
+    assert_same(run_case(record_form, case), ref)
+
+
+def fields_of(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+INPUT_NAMES = fields_of(LossInputs)
