@@ -35,10 +35,13 @@ class PolicyLossConfig:
     # Constant divisor of seq-mean-token-sum-norm (the generation budget); None = padded length.
     max_response_length: int | None = None
     # Rollout/trainer mismatch correction: none, tis (min(w, C)), mis-token / mis-seq
-    # (w * 1[w <= C]); w = pi_old / pi_rollout. The paper keeps token-level TIS, C = 2, on.
+    # (w * 1[w <= C]), mis-token-two-sided (icepop-style, w * 1[C_low <= w <= C]);
+    # w = pi_old / pi_rollout. The paper keeps token-level TIS, C = 2, on.
     correction: CorrectionName = "tis"
     # The cap C of TIS / threshold of MIS.
     correction_cap: float = 2.0
+    # The lower threshold C_low of mis-token-two-sided (0 < C_low < correction_cap).
+    correction_cap_low: float = 0.5
     # Sequence weight of mis-seq: product (exact sequence ratio) or geometric (per-token mean).
     mis_seq_weight: Literal["product", "geometric"] = "product"
     # KL penalty coefficient beta (0 disables the penalty; KL is still logged if a reference runs).
@@ -74,6 +77,7 @@ class PolicyLossConfig:
             "loss_agg_mode": self.loss_agg_mode,
             "correction": None if self.correction == "none" else self.correction,
             "correction_cap": self.correction_cap,
+            "correction_cap_low": self.correction_cap_low,
             "mis_seq_weight": self.mis_seq_weight,
             "kl_coef": self.kl_coef,
             "kl_type": self.kl_type,

@@ -8,6 +8,8 @@ Raw weights have unbounded variance, so
   MIS (masked IS):     weight = w * 1[w <= C]          - drops outliers instead of biasing them
 MIS can act per token or per sequence (a sequence whose weight W exceeds C is dropped
 whole; its kept tokens are all weighted by W, the sequence-level estimator).
+Two-sided token MIS (icepop-style): weight = w * 1[C_low <= w <= C] - also drops tokens
+the trainer finds much less likely than the rollout engine did.
 Weights are detached: they rescale the gradient, they are not optimised.
 
 Every correction has one contract, ``(log_w, mask, config) -> (weights, counts)``:
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, Literal, Optional
 import torch
 from torch import Tensor
 
+from megatron_calibclip.config import ConfigError
 from megatron_calibclip.rl import _validation as V
 from megatron_calibclip.rl.diagnostics import count
 
@@ -35,7 +38,7 @@ if TYPE_CHECKING:
     from megatron_calibclip.rl.loss_inputs import TokenBatch
 
 # The built-in corrections (registered below); the YAML section accepts these names.
-CorrectionName = Literal["none", "tis", "mis-token", "mis-seq"]
+CorrectionName = Literal["none", "tis", "mis-token", "mis-seq", "mis-token-two-sided"]
 SeqWeight = Literal["product", "geometric"]
 SEQ_WEIGHTS: tuple[str, ...] = ("product", "geometric")
 CorrectionFn = Callable[[Tensor, Tensor, "LossConfig"], tuple[Optional[Tensor], dict[str, Tensor]]]
@@ -135,6 +138,27 @@ def mis_seq_correction(log_w: Tensor, mask: Tensor, config: LossConfig) -> tuple
     )
     seqs = rejected.reshape(-1, mask.shape[-1]).any(dim=-1)
     return weights, {"mis_rejected_tokens": count(rejected), "mis_rejected_seqs": count(seqs)}
+
+
+def _check_band(config: LossConfig) -> None:
+    low, high = config.correction_cap_low, config.correction_cap
+    if not 0.0 < low < high:
+        raise ConfigError(
+            f"correction_cap_low: {low!r} is invalid; it must be in (0, correction_cap={high!r}) "
+            "for correction 'mis-token-two-sided'"
+        )
+
+
+@register_correction("mis-token-two-sided", check=_check_band)
+def mis_token_two_sided_correction(
+    log_w: Tensor, mask: Tensor, config: LossConfig
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """icepop-style: weight w where C_low <= w <= C, else 0 (the token leaves the gradient)."""
+    w = torch.exp(log_w.detach())
+    low = mask & (w < config.correction_cap_low)
+    rejected = low | (mask & (w > config.correction_cap))
+    weights = torch.where(mask & ~rejected, w, torch.zeros_like(w))
+    return weights, {"mis_rejected_tokens": count(rejected), "mis_rejected_low_tokens": count(low)}
 
 
 def rollout_correction(batch: TokenBatch, config: LossConfig) -> tuple[Tensor | None, dict[str, Tensor]]:

@@ -32,11 +32,13 @@ class LossConfig:
     # |log r| is clamped to this before exp (overflow guard; zero gradient beyond).
     log_ratio_clamp: float = 20.0
     # ---- rollout/trainer correction (corrections.py) ----
-    # A name registered in corrections.CORRECTIONS: none, tis, mis-token, mis-seq.
-    # w = pi_old / pi_rollout per token; needs rollout_logprobs.
+    # A name registered in corrections.CORRECTIONS: none, tis, mis-token, mis-seq,
+    # mis-token-two-sided. w = pi_old / pi_rollout per token; needs rollout_logprobs.
     correction: str = "none"
     # The cap C of TIS / the upper threshold of MIS.
     correction_cap: float = 2.0
+    # The lower threshold of mis-token-two-sided (tokens with w < it are masked); < correction_cap.
+    correction_cap_low: float = 0.5
     # Sequence weight of mis-seq: product (exact sequence ratio) or geometric (per-token mean).
     mis_seq_weight: SeqWeight = "product"
     # ---- penalties (penalties.py) ----
