@@ -9,8 +9,9 @@ from megatron_calibclip.rl.aggregation import AGG_MODES, LossAggMode, aggregate,
 from megatron_calibclip.rl.config import PolicyLossConfig, dapo_loss_config, grpo_loss_config
 from megatron_calibclip.rl.corrections import (
     CORRECTION_MODES,
-    correction_weights,
+    CORRECTIONS,
     mis_weights,
+    register_correction,
     rollout_log_weight,
     tis_weights,
 )
@@ -22,7 +23,9 @@ from megatron_calibclip.rl.dapo import (
 )
 from megatron_calibclip.rl.diagnostics import FRACTIONS, finalize_metrics, merge_counts, merge_extrema
 from megatron_calibclip.rl.kl import KL_TYPES, kl_penalty
-from megatron_calibclip.rl.policy_loss import policy_loss, ppo_clip_bounds
+from megatron_calibclip.rl.loss_config import LossConfig
+from megatron_calibclip.rl.loss_inputs import LossInputs
+from megatron_calibclip.rl.policy_loss import compute_loss, policy_loss, ppo_clip_bounds
 from megatron_calibclip.rl.reasoning_gym_reward import ReasoningGymReward
 from megatron_calibclip.rl.rewards import (
     answers_match,
@@ -37,16 +40,19 @@ from megatron_calibclip.rl.rewards import (
 
 __all__ = [
     "AGG_MODES",
+    "CORRECTIONS",
     "CORRECTION_MODES",
     "FRACTIONS",
     "KL_TYPES",
     "DynamicSamplingBuffer",
     "LossAggMode",
+    "LossConfig",
+    "LossInputs",
     "PolicyLossConfig",
     "ReasoningGymReward",
     "aggregate",
     "answers_match",
-    "correction_weights",
+    "compute_loss",
     "dapo_loss_config",
     "dr_grpo_advantages",
     "dynamic_sampling_filter",
@@ -69,6 +75,7 @@ __all__ = [
     "parse_number",
     "policy_loss",
     "ppo_clip_bounds",
+    "register_correction",
     "rollout_log_weight",
     "tis_weights",
     "verify_math_answer",

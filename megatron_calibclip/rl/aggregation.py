@@ -57,27 +57,16 @@ def _check_count(name: str, value: float | Tensor, local: int, what: str) -> Non
         )
 
 
-def aggregate(
+def _check_args(
     values: Tensor,
     mask: Tensor,
-    mode: LossAggMode = "token-mean",
-    *,
-    num_tokens: float | Tensor | None = None,
-    num_sequences: float | Tensor | None = None,
-    seq_num_tokens: Tensor | None = None,
-    max_response_length: int | None = None,
-    validate: bool = True,
-) -> Tensor:
-    """Aggregate per-token ``values`` [batch, seq] (or [seq] = one sequence) to a scalar.
-
-    num_tokens: global valid-token count (token-mean only).
-    num_sequences: global count of sequences with >= 1 valid token (seq modes only).
-    seq_num_tokens: [batch] full valid-token count of each sequence (seq-mean-token-mean
-        only; needed when context parallelism splits a sequence).
-    max_response_length: the constant T_max of seq-mean-token-sum-norm; defaults to the
-        padded length ``values.shape[-1]``, which is only constant across micro-batches
-        if they are all padded to the same length, so pass the generation budget.
-    """
+    mode: str,
+    num_tokens: float | Tensor | None,
+    num_sequences: float | Tensor | None,
+    seq_num_tokens: Tensor | None,
+    max_response_length: int | None,
+) -> None:
+    """Each normaliser belongs to one mode: passing another mode's one is a caller bug."""
     V.check_choice("mode", mode, AGG_MODES)
     V.check_token_shape("values", values)
     V.check_mask(mask, values.shape)
@@ -91,19 +80,28 @@ def aggregate(
         raise ValueError(
             f"max_response_length is only used by mode 'seq-mean-token-sum-norm' (mode={mode!r})"
         )
+
+
+def _denominator(
+    name: str, given: float | Tensor | None, counted: Tensor, what: str, like: Tensor, validate: bool
+) -> Tensor:
+    """The step's normaliser if given (never below this shard's count), else the local count."""
+    if given is None:
+        return counted.sum().to(like.dtype)
     if validate:
-        V.check_nonempty_mask(mask)
-        V.check_finite_where("values", values, mask)
+        _check_count(name, given, int(counted.sum()), what)
+    return torch.as_tensor(given, dtype=like.dtype, device=like.device)
 
-    if mode == "token-mean":
-        if num_tokens is None:
-            denom = mask.sum().to(values.dtype)
-        else:
-            if validate:
-                _check_count("num_tokens", num_tokens, int(mask.sum()), "valid tokens")
-            denom = torch.as_tensor(num_tokens, dtype=values.dtype, device=values.device)
-        return masked_sum(values, mask) / denom
 
+def _per_sequence(
+    values: Tensor,
+    mask: Tensor,
+    mode: str,
+    seq_num_tokens: Tensor | None,
+    max_response_length: int | None,
+    validate: bool,
+) -> tuple[Tensor, Tensor]:
+    """(per-sequence value, has-tokens) of the two seq modes, before the mean over sequences."""
     x2, m2 = _as_2d(values), _as_2d(mask)
     seq_sum = masked_sum(x2, m2, dim=-1)
     local_counts = m2.sum(dim=-1)
@@ -130,11 +128,37 @@ def aggregate(
                     f"({int(local_counts.max())})"
                 )
         per_seq = seq_sum / float(t_max)
-    per_seq = torch.where(has_tokens, per_seq, torch.zeros_like(per_seq))
-    if num_sequences is None:
-        denom = has_tokens.sum().to(values.dtype)
-    else:
-        if validate:
-            _check_count("num_sequences", num_sequences, int(has_tokens.sum()), "sequences with valid tokens")
-        denom = torch.as_tensor(num_sequences, dtype=values.dtype, device=values.device)
-    return per_seq.sum() / denom
+    return torch.where(has_tokens, per_seq, torch.zeros_like(per_seq)), has_tokens
+
+
+def aggregate(
+    values: Tensor,
+    mask: Tensor,
+    mode: LossAggMode = "token-mean",
+    *,
+    num_tokens: float | Tensor | None = None,
+    num_sequences: float | Tensor | None = None,
+    seq_num_tokens: Tensor | None = None,
+    max_response_length: int | None = None,
+    validate: bool = True,
+) -> Tensor:
+    """Aggregate per-token ``values`` [batch, seq] (or [seq] = one sequence) to a scalar.
+
+    num_tokens: global valid-token count (token-mean only).
+    num_sequences: global count of sequences with >= 1 valid token (seq modes only).
+    seq_num_tokens: [batch] full valid-token count of each sequence (seq-mean-token-mean
+        only; needed when context parallelism splits a sequence).
+    max_response_length: the constant T_max of seq-mean-token-sum-norm; defaults to the
+        padded length ``values.shape[-1]``, which is only constant across micro-batches
+        if they are all padded to the same length, so pass the generation budget.
+    """
+    _check_args(values, mask, mode, num_tokens, num_sequences, seq_num_tokens, max_response_length)
+    if validate:
+        V.check_nonempty_mask(mask)
+        V.check_finite_where("values", values, mask)
+    if mode == "token-mean":
+        return masked_sum(values, mask) / _denominator("num_tokens", num_tokens, mask, "valid tokens",
+                                                       values, validate)
+    per_seq, has_tokens = _per_sequence(values, mask, mode, seq_num_tokens, max_response_length, validate)
+    return per_seq.sum() / _denominator("num_sequences", num_sequences, has_tokens,
+                                        "sequences with valid tokens", values, validate)

@@ -1,10 +1,11 @@
-"""Typed, documented options of the policy loss, with GRPO and DAPO presets.
+"""The loss section of the trainer's YAML, with GRPO and DAPO presets.
 
 Why here: the trainer's YAML needs one place where every loss option is declared with
 its meaning and allowed values (loaded with megatron_calibclip.config.from_dict, which
 rejects unknown keys and bad Literal values). The bounds in force at a step come from
 Calibrated Clipping, so the config holds the host algorithm's epsilons, from which the
-initial / uncalibrated bounds [1 - eps_low, 1 + eps_high] follow.
+initial / uncalibrated bounds [1 - eps_low, 1 + eps_high] follow. The loss itself reads
+a LossConfig (loss_config.py); ``loss_config()`` is the one mapping onto it.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from megatron_calibclip.config import ConfigError
+from megatron_calibclip.rl.corrections import CorrectionName
+from megatron_calibclip.rl.loss_config import LossConfig
 
 
 @dataclass
@@ -32,10 +35,13 @@ class PolicyLossConfig:
     # Constant divisor of seq-mean-token-sum-norm (the generation budget); None = padded length.
     max_response_length: int | None = None
     # Rollout/trainer mismatch correction: none, tis (min(w, C)), mis-token / mis-seq
-    # (w * 1[w <= C]); w = pi_old / pi_rollout. The paper keeps token-level TIS, C = 2, on.
-    correction: Literal["none", "tis", "mis-token", "mis-seq"] = "tis"
+    # (w * 1[w <= C]), mis-token-two-sided (icepop-style, w * 1[C_low <= w <= C]);
+    # w = pi_old / pi_rollout. The paper keeps token-level TIS, C = 2, on.
+    correction: CorrectionName = "tis"
     # The cap C of TIS / threshold of MIS.
     correction_cap: float = 2.0
+    # The lower threshold C_low of mis-token-two-sided (0 < C_low < correction_cap).
+    correction_cap_low: float = 0.5
     # Sequence weight of mis-seq: product (exact sequence ratio) or geometric (per-token mean).
     mis_seq_weight: Literal["product", "geometric"] = "product"
     # KL penalty coefficient beta (0 disables the penalty; KL is still logged if a reference runs).
@@ -52,16 +58,11 @@ class PolicyLossConfig:
             raise ConfigError(f"eps_low: {self.eps_low} must be in (0, 1) (an epsilon, not a ratio bound)")
         if not self.eps_high > 0.0:
             raise ConfigError(f"eps_high: {self.eps_high} must be > 0")
-        if self.dual_clip and not self.dual_clip_c > 1.0:
-            raise ConfigError(f"dual_clip_c: {self.dual_clip_c} must be > 1")
-        if not self.correction_cap > 0.0:
-            raise ConfigError(f"correction_cap: {self.correction_cap} must be > 0")
-        if self.max_response_length is not None and self.max_response_length <= 0:
-            raise ConfigError(f"max_response_length: {self.max_response_length} must be > 0")
         if self.kl_coef < 0.0:
             raise ConfigError(f"kl_coef: {self.kl_coef} must be >= 0")
-        if not self.log_ratio_clamp > 0.0:
-            raise ConfigError(f"log_ratio_clamp: {self.log_ratio_clamp} must be > 0")
+        if self.max_response_length is not None and self.max_response_length <= 0:
+            raise ConfigError(f"max_response_length: {self.max_response_length} must be > 0")
+        self.loss_config()  # every other field: checked where the loss defines it
 
     @property
     def default_bounds(self) -> tuple[float, float]:
@@ -76,6 +77,7 @@ class PolicyLossConfig:
             "loss_agg_mode": self.loss_agg_mode,
             "correction": None if self.correction == "none" else self.correction,
             "correction_cap": self.correction_cap,
+            "correction_cap_low": self.correction_cap_low,
             "mis_seq_weight": self.mis_seq_weight,
             "kl_coef": self.kl_coef,
             "kl_type": self.kl_type,
@@ -85,6 +87,19 @@ class PolicyLossConfig:
         if self.loss_agg_mode == "seq-mean-token-sum-norm":
             kw["max_response_length"] = self.max_response_length
         return kw
+
+    def loss_config(self, generation_budget: int | None = None) -> LossConfig:
+        """The loss's config from this section: the one place the YAML maps onto the loss.
+
+        The host epsilons are also the shadow's clip thresholds (phantom-clip metrics);
+        seq-mean-token-sum-norm divides by max_response_length, or else by
+        ``generation_budget`` (the trainer passes rollout.sampling.max_new_tokens).
+        """
+        kw = self.loss_kwargs()
+        kw["correction"] = self.correction
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and kw["max_response_length"] is None:
+            kw["max_response_length"] = generation_budget
+        return LossConfig(**kw, shadow_eps_low=self.eps_low, shadow_eps_high=self.eps_high)
 
 
 def grpo_loss_config(**overrides: Any) -> PolicyLossConfig:

@@ -1,4 +1,4 @@
-"""Rollout/trainer mismatch corrections: TIS and MIS importance weights.
+"""Rollout/trainer mismatch corrections: importance weights, chosen by name from a registry.
 
 Why: the rollout engine (FP8 kernels, another recipe) samples from mu, while the trainer
 computes pi_old; the PPO ratio pi_theta/pi_old does not see that gap. Re-weighting each
@@ -8,23 +8,61 @@ Raw weights have unbounded variance, so
   MIS (masked IS):     weight = w * 1[w <= C]          - drops outliers instead of biasing them
 MIS can act per token or per sequence (a sequence whose weight W exceeds C is dropped
 whole; its kept tokens are all weighted by W, the sequence-level estimator).
+Two-sided token MIS (icepop-style): weight = w * 1[C_low <= w <= C] - also drops tokens
+the trainer finds much less likely than the rollout engine did.
 Weights are detached: they rescale the gradient, they are not optimised.
 
-Note: TIS/MIS correct the rollout-vs-trainer ratio; they do not touch the trainer's own
+Every correction has one contract, ``(log_w, mask, config) -> (weights, counts)``:
+log_w = log pi_old - log mu (detached, 0 under padding), weights the per-token factor of
+the surrogate (None: no re-weighting), counts its summable numerators (their fractions
+are declared in diagnostics.FRACTIONS). A new correction is one function under
+``@register_correction("name")``; LossConfig accepts the name from then on.
+
+Note: corrections fix the rollout-vs-trainer ratio; they do not touch the trainer's own
 PPO ratio noise that Calibrated Clipping targets (see the SPEC).
 """
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal, Optional
 
 import torch
 from torch import Tensor
 
+from megatron_calibclip.config import ConfigError
 from megatron_calibclip.rl import _validation as V
+from megatron_calibclip.rl.diagnostics import count
 
-CorrectionMode = Literal["tis", "mis-token", "mis-seq"]
-CORRECTION_MODES: tuple[str, ...] = ("tis", "mis-token", "mis-seq")
+if TYPE_CHECKING:
+    from megatron_calibclip.rl.loss_config import LossConfig
+    from megatron_calibclip.rl.loss_inputs import TokenBatch
+
+# The built-in corrections (registered below); the YAML section accepts these names.
+CorrectionName = Literal["none", "tis", "mis-token", "mis-seq", "mis-token-two-sided"]
 SeqWeight = Literal["product", "geometric"]
+SEQ_WEIGHTS: tuple[str, ...] = ("product", "geometric")
+CorrectionFn = Callable[[Tensor, Tensor, "LossConfig"], tuple[Optional[Tensor], dict[str, Tensor]]]
+
+
+@dataclass(frozen=True)
+class Correction:
+    fn: CorrectionFn  # (log_w, mask, config) -> (weights or None, counts)
+    check: Callable[["LossConfig"], None] | None = None  # raises ConfigError on a bad option
+
+
+CORRECTIONS: dict[str, Correction] = {}
+
+
+def register_correction(
+    name: str, *, check: Callable[["LossConfig"], None] | None = None
+) -> Callable[[CorrectionFn], CorrectionFn]:
+    """Register ``fn`` under ``name``; ``check(config)`` validates the options it reads."""
+    def add(fn: CorrectionFn) -> CorrectionFn:
+        if name in CORRECTIONS:
+            raise ValueError(f"correction {name!r} is already registered")
+        CORRECTIONS[name] = Correction(fn, check)
+        return fn
+    return add
 
 
 def rollout_log_weight(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -64,7 +102,7 @@ def mis_weights(
         w = torch.exp(log_w)
         rejected = mask & (w > cap)
     else:
-        V.check_choice("seq_weight", seq_weight, ("product", "geometric"))
+        V.check_choice("seq_weight", seq_weight, SEQ_WEIGHTS)
         lw = torch.where(mask, log_w, zero)
         seq_log = lw.sum(dim=-1, keepdim=True)
         if seq_weight == "geometric":
@@ -75,17 +113,69 @@ def mis_weights(
     return weights, rejected
 
 
-def correction_weights(
-    mode: CorrectionMode,
-    log_w: Tensor,
-    mask: Tensor,
-    *,
-    cap: float = 2.0,
-    seq_weight: SeqWeight = "product",
-) -> tuple[Tensor, Tensor]:
-    """Dispatch on mode: (weights, affected) where affected = capped (TIS) or rejected (MIS)."""
-    V.check_choice("correction", mode, CORRECTION_MODES)
-    if mode == "tis":
-        return tis_weights(log_w, mask, cap=cap)
-    level = "token" if mode == "mis-token" else "sequence"
-    return mis_weights(log_w, mask, cap=cap, level=level, seq_weight=seq_weight)
+@register_correction("none")
+def no_correction(log_w: Tensor, mask: Tensor, config: LossConfig) -> tuple[None, dict[str, Tensor]]:
+    """No re-weighting (the probability-error metric is still logged with rollout log-probs)."""
+    return None, {}
+
+
+@register_correction("tis")
+def tis_correction(log_w: Tensor, mask: Tensor, config: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    weights, capped = tis_weights(log_w, mask, cap=config.correction_cap)
+    return weights, {"tis_capped_tokens": count(capped)}
+
+
+@register_correction("mis-token")
+def mis_token_correction(log_w: Tensor, mask: Tensor, config: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    weights, rejected = mis_weights(log_w, mask, cap=config.correction_cap, level="token")
+    return weights, {"mis_rejected_tokens": count(rejected)}
+
+
+@register_correction("mis-seq")
+def mis_seq_correction(log_w: Tensor, mask: Tensor, config: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    weights, rejected = mis_weights(
+        log_w, mask, cap=config.correction_cap, level="sequence", seq_weight=config.mis_seq_weight
+    )
+    seqs = rejected.reshape(-1, mask.shape[-1]).any(dim=-1)
+    return weights, {"mis_rejected_tokens": count(rejected), "mis_rejected_seqs": count(seqs)}
+
+
+def _check_band(config: LossConfig) -> None:
+    low, high = config.correction_cap_low, config.correction_cap
+    if not 0.0 < low < high:
+        raise ConfigError(
+            f"correction_cap_low: {low!r} is invalid; it must be in (0, correction_cap={high!r}) "
+            "for correction 'mis-token-two-sided'"
+        )
+
+
+@register_correction("mis-token-two-sided", check=_check_band)
+def mis_token_two_sided_correction(
+    log_w: Tensor, mask: Tensor, config: LossConfig
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """icepop-style: weight w where C_low <= w <= C, else 0 (the token leaves the gradient)."""
+    w = torch.exp(log_w.detach())
+    low = mask & (w < config.correction_cap_low)
+    rejected = low | (mask & (w > config.correction_cap))
+    weights = torch.where(mask & ~rejected, w, torch.zeros_like(w))
+    return weights, {"mis_rejected_tokens": count(rejected), "mis_rejected_low_tokens": count(low)}
+
+
+def rollout_correction(batch: TokenBatch, config: LossConfig) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """The configured correction's weights (None: none) and counts, plus the probability error.
+
+    Nothing without rollout log-probs; with them, mult_prob_error_sum (exp|log w|) always,
+    is_weight_sum when the correction re-weights.
+    """
+    if batch.rollout is None:
+        return None, {}
+    log_w = rollout_log_weight(batch.old, batch.rollout, batch.mask)
+    counts = {"mult_prob_error_sum": count(torch.where(batch.mask, torch.exp(log_w.abs()), batch.zero))}
+    weights, own = CORRECTIONS[config.correction].fn(log_w, batch.mask, config)
+    if weights is not None:
+        counts["is_weight_sum"] = count(weights)
+    counts.update(own)
+    return weights, counts
+
+
+CORRECTION_MODES: tuple[str, ...] = tuple(name for name in CORRECTIONS if name != "none")  # built-in

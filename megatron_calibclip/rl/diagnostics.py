@@ -36,6 +36,7 @@ FRACTIONS: dict[str, tuple[str, str]] = {
     "is_weight_mean": ("is_weight_sum", "tokens"),
     "tis_clipfrac": ("tis_capped_tokens", "tokens"),  # P(w > C)
     "mis_maskfrac": ("mis_rejected_tokens", "tokens"),  # tokens given weight 0
+    "mis_maskfrac_low": ("mis_rejected_low_tokens", "tokens"),  # of them w < C_low (two-sided)
     "mis_seq_maskfrac": ("mis_rejected_seqs", "seqs"),  # sequences dropped (mis-seq)
     "kl_mean": ("kl_sum", "tokens"),
     "entropy_mean": ("entropy_sum", "tokens"),

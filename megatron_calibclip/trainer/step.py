@@ -24,6 +24,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_calibclip.parallel.devices import collective_device
 from megatron_calibclip.rl import (
+    LossInputs,
     dynamic_sampling_filter,
     finalize_metrics,
     grpo_advantages,
@@ -243,9 +244,7 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
     mb_extrema: list[dict] = []
     grad_norms = []
     loss_values: list[float] = []
-    loss_kw = cfg.loss.loss_kwargs()
-    if cfg.loss.loss_agg_mode == "seq-mean-token-sum-norm" and loss_kw["max_response_length"] is None:
-        loss_kw["max_response_length"] = cfg.rollout.sampling.max_new_tokens
+    loss_cfg = cfg.loss.loss_config(generation_budget=cfg.rollout.sampling.max_new_tokens)
     for chunk in chunks:
         if len(chunk) == 0:
             continue
@@ -274,13 +273,11 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
             m = mb["mask"]
             if not bool(m.any()):  # a padding micro-batch: no loss, no gradient
                 return lp.sum() * 0.0, {"lp": lp.detach(), "counts": None, "loss": None}
-            loss, metrics = policy_loss(
-                lp, mb["old_lp"], mb["adv"], m, clip_low=lower, clip_high=upper,
-                rollout_logprobs=mb["rollout_lp"], ref_logprobs=mb["ref_lp"], entropy=ent,
-                shadow_log_ratio=mb.get("shadow_lr"),
-                shadow_eps_low=cfg.loss.eps_low if "shadow_lr" in mb else None,
-                shadow_eps_high=cfg.loss.eps_high if "shadow_lr" in mb else None,
-                validate=False, **norm_kw, **loss_kw)
+            inputs = LossInputs(lp, mb["old_lp"], mb["adv"], m, rollout_logprobs=mb["rollout_lp"],
+                                ref_logprobs=mb["ref_lp"], entropy=ent,
+                                shadow_log_ratio=mb.get("shadow_lr"), **norm_kw)
+            loss, metrics = policy_loss(inputs, config=loss_cfg, clip_low=lower, clip_high=upper,
+                                        validate=False)
             return loss, {"lp": lp.detach(), "counts": metrics["counts"], "loss": loss.detach(),
                           "extrema": metrics.get("extrema", {})}
 

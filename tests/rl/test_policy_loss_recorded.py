@@ -1,0 +1,77 @@
+"""Bit-identity with the single-function policy_loss of commit 0bffeb9 (issue 26).
+
+The fixture holds the old code's outputs on 51 cases (policy_loss_reference.py says how it
+was made). Every loss, gradient, metric, count and extremum must be torch.equal, and every
+key list must keep its order.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_calibclip.rl import LossConfig, LossInputs, policy_loss
+from tests.rl.policy_loss_reference import FIXTURE, run_case
+
+RECORDED = torch.load(FIXTURE, weights_only=True)
+CASES = list(zip(RECORDED["cases"], RECORDED["outputs"]))
+
+
+def _equal(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def assert_same(out: dict, ref: dict) -> None:
+    for key in ("metric_keys", "count_keys", "extrema_keys"):
+        assert out[key] == ref[key], key
+    for key in ("loss", "grad_logprobs", "grad_entropy"):
+        assert _equal(out[key], ref[key]), (key, out[key], ref[key])
+    for group in ("metrics", "counts", "extrema"):
+        for k, v in ref[group].items():
+            assert _equal(out[group][k], v), (group, k, out[group][k], v)
+
+
+def test_fixture_covers_every_option():
+    assert RECORDED["commit"] == "0bffeb9" and len(CASES) == 51
+    keys = {k for _, ref in CASES for k in ref["count_keys"]}
+    assert {"dual_clip_neg", "tis_capped_tokens", "mis_rejected_seqs", "kl_sum", "entropy_sum",
+            "phantom_clip_neg", "shadow_clip_upper_pos"} <= keys
+    assert {c["logprobs"].dtype for c, _ in CASES} == {torch.float64, torch.float32, torch.bfloat16}
+
+
+@pytest.mark.parametrize("case, ref", CASES, ids=[c["name"] for c, _ in CASES])
+def test_keyword_form_is_bit_identical(case, ref):
+    assert_same(run_case(policy_loss, case), ref)
+
+
+def _records(case: dict) -> tuple[LossInputs, LossConfig, dict]:
+    """Sort a case's keywords into the two records by hand (not through the keyword form)."""
+    inputs = {k: v for k, v in case.items() if k in INPUT_NAMES}
+    options = {k: v for k, v in case.items() if k in fields_of(LossConfig)}
+    if options.get("correction", "none") is None:
+        options["correction"] = "none"
+    rest = {k: v for k, v in case.items() if k not in inputs and k not in options and k != "name"}
+    return LossInputs(**inputs), LossConfig(**options), rest
+
+
+@pytest.mark.parametrize("case, ref", CASES, ids=[c["name"] for c, _ in CASES])
+def test_record_form_is_bit_identical(case, ref):
+    """policy_loss(LossInputs, config=LossConfig) - the trainer's call - gives the recorded outputs."""
+    inputs, config, rest = _records(case)
+    assert set(rest) <= {"clip_low", "clip_high", "validate"}
+
+    def record_form(lp, old, adv, mask, **kw):
+        entropy = kw.get("entropy")
+        inp = dataclasses.replace(inputs, logprobs=lp, entropy=entropy)
+        return policy_loss(inp, config=config, clip_low=rest["clip_low"], clip_high=rest["clip_high"],
+                           validate=rest.get("validate", True))
+
+    assert_same(run_case(record_form, case), ref)
+
+
+def fields_of(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+INPUT_NAMES = fields_of(LossInputs)
