@@ -84,7 +84,8 @@ class _EmulatedLinearFunction(torch.autograd.Function):
         # (a BF16 GEMM always does; an FP8 one unless activation_precision is "fp32")
         bf16_io = gemm.mode == "bf16" or gemm.recipe.activation_precision == "bf16"
         x2 = x.reshape(-1, x.shape[-1]).float()
-        x2 = round_to_bf16(x2) if bf16_io else x2
+        if bf16_io and not (gemm.native and gemm.mode == "bf16"):  # (native bf16: casts itself)
+            x2 = round_to_bf16(x2)
         b = bias.float() if bias is not None else None
         b = round_to_bf16(b) if (b is not None and bf16_io) else b
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -104,7 +105,7 @@ class _EmulatedLinearFunction(torch.autograd.Function):
                 qx = _q(x2, gemm, "activation", -1)
                 ops = gemm.weights.operands(weight, recipe, _state(gemm, "weight"))
                 out = scaled_mm(qx, ops.quantized, x2.shape[0], weight.shape[0],
-                                recipe.granularity)
+                                recipe.granularity, b)  # the bias as the GPU kernel adds it
                 if need_wgrad and recipe.fp8_wgrad:
                     x_fp8 = _wgrad_fp8(x2, qx, recipe, "activation")
                 elif need_wgrad:
@@ -120,7 +121,8 @@ class _EmulatedLinearFunction(torch.autograd.Function):
                     x_for_wgrad = _wgrad_operand(x2, xf, recipe, "activation")
                 if need_dgrad:
                     w_for_dgrad = ops.dgrad_copy()
-        if b is not None and not gemm.native:
+        if b is not None and not gemm.native and not (gemm.mode == "fp8"
+                                                      and gemm.backend == "torch"):
             out = out + b
         if bf16_io and not gemm.native:
             out = round_to_bf16(out)  # the GEMM's bf16 output (TE's FP8 GEMMs output bf16 too)

@@ -14,7 +14,11 @@ K (TE's rowwise / columnwise copies), so rowwise scales are one per row of A ([m
 per row of B, i.e. per output column ([1, n]): exactly the scales `_scaled_mm` takes. No
 operand of the three GEMMs needs scales along another axis, so none falls back to the
 emulation. A K that is not a multiple of 16 (the wgrad's token count) is padded with zero
-codes, which changes no sum and no scale: cuBLASLt's FP8 GEMM requires K % 16 == 0.
+codes, which changes no sum and no scale, and so is an N that is not (the padded output
+columns are cut off): CUDA's `_scaled_mm` needs K % 16 == 0 and both dims of mat2 divisible
+by 16. Rowwise GEMMs ask for BF16 output (torch's CUTLASS rowwise kernel and ROCm's write
+BF16 only), tensorwise ones fp32. tests/cuda_scaled_mm.py checks every call of the backend's
+tests against CUDA's preconditions (torch's ScaledBlas.cpp).
 
 What torch accepts (E4M3 = float8_e4m3fn, E5M2 = float8_e5m2); the E5M2 gradient is always
 the first operand here:
@@ -32,6 +36,7 @@ the first operand here:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -69,31 +74,50 @@ def fp8_operand(q: Quantized, axis: int, granularity: str) -> Fp8Operand:
     raise ValueError(f"torch._scaled_mm backend: {granularity!r} scaling is not supported")
 
 
-def _pad_k(codes: torch.Tensor) -> torch.Tensor:
-    """Zero codes appended along K up to a multiple of 16 (exact: they add nothing)."""
-    k = codes.shape[-1]
-    if k % _K_MULTIPLE == 0:
-        return codes
-    padded = torch.zeros(codes.shape[0], -(-k // _K_MULTIPLE) * _K_MULTIPLE, dtype=codes.dtype,
-                         device=codes.device)
-    padded[:, :k] = codes
-    return padded
+def _pad(t: torch.Tensor, dim: int, value: float = 0.0) -> torch.Tensor:
+    """`t` extended along `dim` to a multiple of 16 with `value` (exact: zero codes add nothing
+    to a sum, a padded output line is cut off again)."""
+    size = t.shape[dim]
+    if size % _K_MULTIPLE == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = -(-size // _K_MULTIPLE) * _K_MULTIPLE - size
+    fill = torch.full(shape, value, dtype=t.dtype, device=t.device) if value else \
+        torch.zeros(shape, dtype=t.dtype, device=t.device)
+    return torch.cat([t, fill], dim=dim)
 
 
-def fp8_gemm(a: Fp8Operand, b: Fp8Operand) -> torch.Tensor:
-    """fp32 [m, n] = dequant(a) [m, K] @ dequant(b) [n, K]^T as one FP8 GEMM."""
+def fp8_gemm(a: Fp8Operand, b: Fp8Operand, bias: Optional[torch.Tensor] = None
+             ) -> torch.Tensor:
+    """[m, n] = dequant(a) [m, K] @ dequant(b) [n, K]^T (+ bias) as one FP8 GEMM, under
+    CUDA's rules: K and n padded to multiples of 16 (zero codes), mat2 column-major; rowwise
+    GEMMs write BF16 (CUDA's rowwise kernel; the bias, BF16, is added inside, before that
+    rounding), tensorwise ones fp32 (the bias added to the fp32 sum). Returns fp32 values."""
     if a.codes.shape[1] != b.codes.shape[1]:
         raise ValueError(f"FP8 GEMM: K differs ({tuple(a.codes.shape)} vs {tuple(b.codes.shape)})")
-    scale_b = b.scale.t().contiguous() if b.scale.dim() == 2 else b.scale  # [1, n]: per column
-    # b.t() of a row-major [n, K] tensor is the column-major [K, n] operand _scaled_mm wants
-    return torch._scaled_mm(_pad_k(a.codes), _pad_k(b.codes).t(), scale_a=a.scale,
-                            scale_b=scale_b, out_dtype=torch.float32)
+    n = b.codes.shape[0]
+    rowwise = b.scale.dim() == 2
+    b_codes = _pad(b.codes.view(torch.uint8), 0).view(b.codes.dtype)  # N to 16 (cat of fp8
+    # tensors is not implemented on every device: pad the bytes; a zero byte is code 0.0)
+    a_codes = _pad(a.codes.view(torch.uint8), 1).view(a.codes.dtype)
+    b_codes = _pad(b_codes.view(torch.uint8), 1).view(b.codes.dtype)
+    scale_b = _pad(b.scale, 0, 1.0).t().contiguous() if rowwise else b.scale  # [1, n]
+    fused = bias is not None and rowwise
+    out = torch._scaled_mm(  # b.t() of a row-major [n, K] tensor: the column-major mat2
+        a_codes, b_codes.t(), scale_a=a.scale, scale_b=scale_b,
+        bias=_pad(bias.to(torch.bfloat16), 0) if fused else None,
+        out_dtype=torch.bfloat16 if rowwise else torch.float32)
+    out = out[:, :n].float()
+    if bias is not None and not fused:
+        out = out + bias.float()
+    return out
 
 
-def scaled_mm(x_q: Quantized, w_q: Quantized, m: int, n: int, granularity: str) -> torch.Tensor:
-    """The forward GEMM: fp32 [m, n] = dequant(x_q) [m, K] @ dequant(w_q) [n, K]^T, both
-    quantized along K (their last dim)."""
-    out = fp8_gemm(fp8_operand(x_q, -1, granularity), fp8_operand(w_q, -1, granularity))
+def scaled_mm(x_q: Quantized, w_q: Quantized, m: int, n: int, granularity: str,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The forward GEMM: fp32 [m, n] = dequant(x_q) [m, K] @ dequant(w_q) [n, K]^T (+ bias),
+    both quantized along K (their last dim)."""
+    out = fp8_gemm(fp8_operand(x_q, -1, granularity), fp8_operand(w_q, -1, granularity), bias)
     if tuple(out.shape) != (m, n):
         raise ValueError(f"FP8 GEMM: expected [{m}, {n}], got {list(out.shape)}")
     return out

@@ -9,11 +9,21 @@ import pytest
 import torch
 
 from megatron_calibclip.config import ConfigError
+from megatron_calibclip.fp8.gemm import using_gemm_path
 from megatron_calibclip.fp8 import FP8Recipe
 from megatron_calibclip.fp8.backend import _resolve, check_backend_supports
 from megatron_calibclip.fp8.quantize import quantize
 from megatron_calibclip.fp8.recipe import ROLE_VALUES
 from megatron_calibclip.fp8.scaled_mm import scaled_mm
+from tests.cuda_scaled_mm import CudaWouldRefuse, check, cuda_rules, cuda_scaled_mm_rules
+
+
+@pytest.fixture(autouse=True)
+def _cuda_rules():
+    """Every torch._scaled_mm call of these tests must be one a CUDA device would accept
+    (tests/cuda_scaled_mm.py); a test that installs its own kernel wraps it in cuda_rules."""
+    with cuda_scaled_mm_rules() as checked:
+        yield checked
 
 
 # (requested, CUDA, TE installed) -> backend a run gets; the trainer does not build TE's
@@ -94,7 +104,8 @@ def test_scaled_mm_matches_the_dequantized_gemm(granularity, pow2, k):
     got = scaled_mm(qx, qw, 32, 48, granularity)
     want = qx.dequantize().double() @ qw.dequantize().double().t()  # float64: the exact value
     assert got.dtype == torch.float32 and got.shape == (32, 48)
-    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    rtol = 2**-8 if granularity == "rowwise" else 1e-5  # rowwise GEMMs write BF16 (CUDA)
+    assert torch.allclose(got.double(), want, rtol=rtol, atol=1e-5 * want.abs().max().item())
 
 
 # dgrad (dY W) and wgrad (dY^T X) as _scaled_mm takes them: A [m, K] rows and B [n, K] rows,
@@ -126,13 +137,14 @@ def test_backward_gemms_reduce_along_their_own_dim(granularity):
     for name, (got, want) in cases.items():
         assert got.dtype == torch.float32 and got.shape == want.shape, name
         tol = 1e-5 * want.abs().max().item()
-        assert torch.allclose(got.double(), want, rtol=1e-5, atol=tol), name
+        rtol = 2**-8 if granularity == "rowwise" else 1e-5  # rowwise GEMMs write BF16 (CUDA)
+        assert torch.allclose(got.double(), want, rtol=rtol, atol=tol), name
     if granularity == "rowwise":  # scales along the other dim cannot feed the GEMM
         with pytest.raises(ValueError, match="quantized along axis -1"):
             fp8_operand(quantize(w, recipe, "weight", axis=-1), 0, g)
 
 
-def _linear_grads(backend: str, steps: int = 3, **recipe_kw):
+def _linear_grads(backend: str, steps: int = 3, dims=(96, 80, 10), **recipe_kw):
     """(y, x.grad, w.grad) of the last of `steps` forward/backward passes of one FP8 linear
     (delayed scaling: its scales come from the earlier steps' amaxes)."""
     from megatron_calibclip.fp8.delayed import AmaxHistory
@@ -145,11 +157,12 @@ def _linear_grads(backend: str, steps: int = 3, **recipe_kw):
               for role in ROLE_VALUES} if recipe.granularity == "delayed" else None
     gemm = _Gemm("fp8", recipe, states, backend, WeightCache())
     gen = torch.Generator().manual_seed(9)
-    w = (torch.randn(80, 96, generator=gen) * 0.05).requires_grad_(True)
+    d_in, d_out, seq = dims
+    w = (torch.randn(d_out, d_in, generator=gen) * 0.05).requires_grad_(True)
     for step in range(steps):
-        x = (torch.randn(3, 10, 96, generator=gen)
-             * torch.linspace(0.2, 3, 10).view(1, 10, 1)).requires_grad_(True)
-        dy = torch.randn(3, 10, 80, generator=gen) * torch.linspace(1e-4, 1e-2, 80)
+        x = (torch.randn(3, seq, d_in, generator=gen)
+             * torch.linspace(0.2, 3, seq).view(1, seq, 1)).requires_grad_(True)
+        dy = torch.randn(3, seq, d_out, generator=gen) * torch.linspace(1e-4, 1e-2, d_out)
         w.grad = None
         y = _EmulatedLinearFunction.apply(x, w, None, gemm, False, None)
         y.backward(dy)
@@ -174,9 +187,11 @@ _CPU_SCALED_MM_DEQUANTIZES = not (torch.backends.mkldnn.is_available()
                                   and torch.cpu._is_amx_tile_supported())
 
 
-def _scales_after_sum(a, b, scale_a, scale_b, out_dtype):
-    """_scaled_mm as GPU kernels order it: the fp32 sum of code products, then the scales."""
-    return ((a.float() @ b.float()) * scale_a * scale_b).to(out_dtype)
+def _scales_after_sum(a, b, scale_a, scale_b, bias=None, out_dtype=torch.float32):
+    """_scaled_mm as GPU kernels order it: the fp32 sum of code products, then the scales
+    (and the bias, before the output's rounding)."""
+    out = (a.float() @ b.float()) * scale_a * scale_b
+    return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
 @pytest.mark.parametrize("kernel", ["cpu", "scales_after_sum"])
@@ -190,13 +205,20 @@ def test_torch_backward_matches_the_emulation(monkeypatch, kw, kernel):
     relative differences reach 2e-3 where the sum cancels), and the forward's bf16 output
     by at most one bf16 step where that crosses a rounding boundary."""
     if kernel == "scales_after_sum":
-        monkeypatch.setattr(torch, "_scaled_mm", _scales_after_sum)
-    emu, got = _linear_grads("emulated", **kw), _linear_grads("torch", **kw)
+        monkeypatch.setattr(torch, "_scaled_mm", cuda_rules(_scales_after_sum))
+    with using_gemm_path("fp32"):  # the emulation's fp32 GEMMs on the dequantized codes
+        emu, got = _linear_grads("emulated", **kw), _linear_grads("torch", **kw)
     pow2 = kw.get("power_of_two_scales", False)
     exact = (kernel == "cpu" and _CPU_SCALED_MM_DEQUANTIZES) or pow2
+    rowwise_bf16 = kw["granularity"] == "rowwise"  # CUDA's rowwise GEMMs write BF16
     for name, a, b in zip(("y", "dgrad", "wgrad"), got, emu):
         assert a.dtype == b.dtype and a.shape == b.shape, name
-        if exact:
+        if rowwise_bf16 and name != "y" and not (name == "wgrad" and not kw.get("fp8_wgrad",
+                                                                               True)):
+            scale = b.abs().max().item()  # one BF16 rounding of the fp32 sum
+            assert torch.allclose(a, b, rtol=2**-8, atol=1e-6 * scale), name
+            assert torch.equal(a, a.bfloat16().float()), name
+        elif exact:
             assert torch.equal(a, b), name
         elif name == "y":
             assert torch.allclose(a, b, rtol=2**-7, atol=0), name
@@ -217,7 +239,7 @@ def test_torch_backward_goes_through_scaled_mm(monkeypatch, fp8_wgrad):
         calls.append((a.dtype, b.dtype, tuple(a.shape), tuple(b.shape)))
         return real(a, b, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    monkeypatch.setattr(torch, "_scaled_mm", cuda_rules(recording))
     _linear_grads("emulated", steps=1, granularity="rowwise", format="hybrid",
                   fp8_wgrad=fp8_wgrad)
     assert calls == []
@@ -239,10 +261,11 @@ def test_torch_backend_caches_codes_not_a_dequantized_copy(granularity):
 
     w = (torch.randn(48, 64, generator=torch.Generator().manual_seed(1)) * 0.05)
     w.requires_grad_(True)
-    for backend, kept in (("torch", False), ("emulated", True)):
+    for backend, native, kept in (("torch", False, False), ("emulated", False, True),
+                                  ("emulated", True, False)):  # native: bf16 codes instead
         cache = WeightCache()
         gemm = _Gemm("fp8", FP8Recipe(backend=backend, granularity=granularity), None, backend,
-                     cache)
+                     cache, native)
         x = torch.randn(2, 8, 64, requires_grad=True)
         _EmulatedLinearFunction.apply(x, w, None, gemm, False, None).sum().backward()
         assert (cache._entry._forward is not None) == kept, backend
@@ -284,7 +307,9 @@ def _model_body(rank, world_size, granularity):
         out["scaled_mm_calls"] += 1
         return real(*args, **kwargs)
 
-    torch._scaled_mm = counting
+    from tests.cuda_scaled_mm import cuda_rules
+
+    torch._scaled_mm = cuda_rules(counting)
     with model_parallel(tp=2):
         cfg = get_preset("tiny")
         model = build_policy_model(cfg, spec=local_layer_spec(cfg, **fp8_linear_classes()), seed=0)
@@ -320,7 +345,11 @@ def test_torch_backend_matches_the_emulation_through_the_model(dist_pool, granul
         (l_emu, g_emu), (l_torch, g_torch) = out["emulated"], out["torch"]
         if _CPU_SCALED_MM_DEQUANTIZES:  # the same codes, scales and fp32 GEMMs: bit for bit
             assert torch.equal(l_torch, l_emu)
-            assert all(torch.equal(g_torch[name], grad) for name, grad in g_emu.items())
+            if granularity != "rowwise":  # (CUDA's rowwise dgrad / wgrad write BF16)
+                assert all(torch.equal(g_torch[name], grad) for name, grad in g_emu.items())
+        for name, grad in g_emu.items():
+            assert torch.allclose(g_torch[name], grad, rtol=0.05,
+                                  atol=0.05 * grad.abs().max().item()), name
         scale = l_emu.abs().max().item()
         assert torch.allclose(l_torch, l_emu, rtol=1e-5, atol=1e-5 * scale)
         # the native kernels: scales after the fp32 sum (GPU order), BF16 GEMMs elsewhere
@@ -330,4 +359,61 @@ def test_torch_backend_matches_the_emulation_through_the_model(dist_pool, granul
             assert torch.allclose(g_nat[name], grad, rtol=0.05,
                                   atol=0.05 * grad.abs().max().item()), name
         for name, grad in g_emu.items():
-            assert torch.allclose(g_torch[name], grad, rtol=1e-4, atol=1e-6), name
+            if granularity != "rowwise":  # (rowwise: BF16 dgrad / wgrad, checked above)
+                assert torch.allclose(g_torch[name], grad, rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.parametrize("kw", BACKWARD_CASES, ids=lambda kw: "-".join(map(str, kw.values())))
+def test_torch_backend_pads_odd_sizes_as_cuda_needs(_cuda_rules, kw):
+    """in = 40, out = 50, 21 tokens: none a multiple of 16. Every GEMM (forward, dgrad,
+    wgrad) passes CUDA's checks (the autouse stand-in) and equals the emulation on the same
+    codes (rowwise GEMMs write BF16: one rounding)."""
+    with using_gemm_path("fp32"):
+        emu = _linear_grads("emulated", dims=(40, 50, 7), **kw)
+    got = _linear_grads("torch", dims=(40, 50, 7), **kw)
+    assert _cuda_rules.calls and set(_cuda_rules.calls) <= {"tensorwise", "rowwise"}
+    for name, a, b in zip(("y", "dgrad", "wgrad"), got, emu):
+        assert a.shape == b.shape, name
+        assert torch.allclose(a, b, rtol=2**-7, atol=1e-6 * b.abs().max().item()), name
+
+
+def _codes(shape, dtype=torch.float8_e4m3fn):
+    return torch.randn(*shape).clamp(-4, 4).to(dtype)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("k_not_16", "trailing dimension of mat1"),
+    ("n_not_16", "must be divisible by 16"),
+    ("e5m2_pair", "two Float8_e5m2"),
+    ("mat2_row_major", "row-major and column-major"),
+    ("rowwise_fp32_out", "BF16 output only"),
+    ("rowwise_1d_scale", "Invalid scaling configuration"),
+    ("bias_fp32_out", "Bias needs a BF16 output"),
+    ("not_fp8", "Expected Float8"),
+])
+def test_the_stand_in_refuses_what_cuda_refuses(case, match):
+    a, b = _codes((32, 64)), _codes((48, 64)).t()  # row-major [M, K], column-major [K, N]
+    one = torch.ones(())
+    args = dict(scale_a=one, scale_b=one, bias=None, out_dtype=torch.float32)
+    if case == "k_not_16":
+        a, b = _codes((32, 40)), _codes((48, 40)).t()
+    elif case == "n_not_16":
+        b = _codes((50, 64)).t()
+    elif case == "e5m2_pair":
+        a, b = _codes((32, 64), torch.float8_e5m2), _codes((48, 64), torch.float8_e5m2).t()
+    elif case == "mat2_row_major":
+        b = _codes((64, 48))
+    elif case == "rowwise_fp32_out":
+        args.update(scale_a=torch.ones(32, 1), scale_b=torch.ones(1, 48))
+    elif case == "rowwise_1d_scale":
+        args.update(scale_a=torch.ones(32), scale_b=torch.ones(48), out_dtype=torch.bfloat16)
+    elif case == "bias_fp32_out":
+        args.update(bias=torch.zeros(48, dtype=torch.bfloat16))
+    elif case == "not_fp8":
+        a = a.float()
+    with pytest.raises(CudaWouldRefuse, match=match):
+        check(a, b, **args)
+    # the same call with the rule kept is accepted
+    assert check(_codes((32, 64)), _codes((48, 64)).t(), one, one) == "tensorwise"
+    assert check(_codes((32, 64)), _codes((48, 64)).t(), torch.ones(32, 1), torch.ones(1, 48),
+                 torch.zeros(48, dtype=torch.bfloat16), torch.bfloat16) == "rowwise"
