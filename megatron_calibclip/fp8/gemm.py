@@ -21,9 +21,18 @@ Two kernels:
   (inputs converted to BF16, exact here since they are BF16 values; fp32 accumulation and
   output), ~1.2-1.7x faster than the plain fp32 GEMM; without oneDNN it is the fp32 GEMM.
 
-`CALIBCLIP_GEMM` / `set_gemm_path`: "native" (default) runs these kernels; "fp32" is the
-earlier emulation (fp32 GEMMs on rounded / dequantized values), kept as the reference and
-for side-by-side benchmarks (`calibclip bench step --gemm both`).
+`CALIBCLIP_GEMM` / `set_gemm_path`, three paths (fp8/native.py has the details):
+- "native" (default): every GEMM on the BF16 kernel, writing BF16 as a GPU model does
+  (forward, dgrad, and wgrad as without gradient-accumulation fusion); an fp32 FP8 scale
+  multiplies the BF16 sum (one more rounding, at most one BF16 step). Why not exact: CPU
+  torch has no BF16 GEMM with fp32 output, and the one fp32-output route (oneDNN fpmath)
+  runs at the fp32 GEMM's speed here; the extra rounding is ~30x smaller than an E4M3 step
+  and smaller than Hopper's own FP8 fast-accumulation error.
+- "exact": the fp32 emulation's results up to fp32 accumulation order, on BF16 kernels where
+  that is free (BF16 mode forward and dgrad, power-of-two FP8 scales), the fp32-output
+  kernel elsewhere.
+- "fp32": the earlier emulation (fp32 GEMMs on rounded / dequantized values), the reference;
+  `calibclip bench gemm` runs it beside "native".
 """
 from __future__ import annotations
 
@@ -34,7 +43,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-GEMM_PATHS = ("native", "fp32")
+GEMM_PATHS = ("native", "exact", "fp32")
 _ENV = "CALIBCLIP_GEMM"
 _path: Optional[str] = None
 

@@ -304,10 +304,13 @@ class _EmulatedLinearMixin:
                                  "emulated layer spec; build it with the Transformer Engine spec "
                                  "or set fp8.backend to 'torch' / 'emulated'")
             check_backend_supports(backend, recipe.granularity)
-        native = gemm_path() == "native" and backend == "emulated" and (
+        path = gemm_path()
+        native = path != "fp32" and backend == "emulated" and (
             mode == "bf16" or native_kernels.supports(recipe))
+        # a recipe asking for fp32 activations (to attribute noise) keeps fp32 GEMM outputs
+        exact = path == "exact" or (mode == "fp8" and recipe.activation_precision == "fp32")
         gemm = _Gemm(mode, recipe if mode == "fp8" else None, states, backend, self.weight_cache,
-                     native)
+                     native, exact)
         if allreduce_dgrad and tp_group is None:
             from megatron.core.parallel_state import get_tensor_model_parallel_group
 

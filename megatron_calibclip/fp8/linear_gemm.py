@@ -26,6 +26,7 @@ class _Gemm:
     backend: str = "emulated"  # fp8 GEMMs: "emulated" (fp32 math) or "torch" (_scaled_mm)
     weights: Optional[WeightCache] = None  # the layer's cached weight operands
     native: bool = False  # BF16 kernels on the codes (fp8/native.py) instead of fp32 GEMMs
+    exact: bool = False  # native, but equal to the fp32 GEMMs up to accumulation order
 
 
 def _state(gemm: _Gemm, role: str) -> Optional[AmaxHistory]:

@@ -38,7 +38,8 @@ def native_forward(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     recipe = gemm.recipe
     qx = _q(x2, gemm, "activation", -1)
     ops = gemm.weights.operands(weight, recipe, _state(gemm, "weight"))
-    out = operand_gemm(native_operand(qx, -1, recipe), ops.native_forward(), bias, bf16_io)
+    out = operand_gemm(native_operand(qx, -1, recipe), ops.native_forward(), bias, bf16_io,
+                       gemm.exact)
     x_saved = None
     if need_wgrad and recipe.fp8_wgrad:  # the input quantized along tokens (wgrad's K)
         qt = qx if same_both_ways(recipe, "activation") else \
@@ -51,23 +52,34 @@ def native_forward(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 
 def native_backward(g2: torch.Tensor, gemm: _Gemm, saved: NativeSaved, need_dgrad: bool,
                     need_wgrad: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(dgrad, wgrad): dgrad BF16 values in bf16 mode (the GEMM's BF16 output), fp32 in
-    fp8 mode (as the fp32 emulation); wgrad fp32 (megatron's fp32 main_grad)."""
+    """(dgrad, wgrad) as fp32 tensors. Exact path: as the fp32 emulation (dgrad BF16 values
+    in bf16 mode, fp32 in fp8 mode; wgrad fp32, a fused fp32 main_grad accumulation).
+    Native path: every GEMM writes BF16, as TE's dgrad and a wgrad without
+    gradient-accumulation fusion (then added to the fp32 main_grad)."""
     grad_x = grad_w = None
     if gemm.mode == "bf16":
         gb = g2.to(BF16)
         if need_dgrad:
             grad_x = torch.matmul(gb, saved.w).float()
         if need_wgrad:
-            grad_w = fp32_out_mm(gb.t(), saved.x.t())
+            grad_w = _wgrad_bf16(gb, saved.x, gemm.exact)
         return grad_x, grad_w
     recipe = gemm.recipe
     qg = _q(g2, gemm, "grad", -1)  # the one (delayed) update of the grad amax
     if need_dgrad:
-        grad_x = operand_gemm(native_operand(qg, -1, recipe), saved.w, bf16_out=False)
+        grad_x = operand_gemm(native_operand(qg, -1, recipe), saved.w, bf16_out=False,
+                              exact=gemm.exact)
     if need_wgrad and recipe.fp8_wgrad:
         qt = qg if same_both_ways(recipe, "grad") else quantize(g2, recipe, "grad", axis=0)
-        grad_w = operand_gemm(native_operand(qt, 0, recipe), saved.x, bf16_out=False)
+        grad_w = operand_gemm(native_operand(qt, 0, recipe), saved.x, bf16_out=False,
+                              exact=gemm.exact)
     elif need_wgrad:
-        grad_w = fp32_out_mm(g2.to(BF16).t(), saved.x.t())
+        grad_w = _wgrad_bf16(g2.to(BF16), saved.x, gemm.exact)
     return grad_x, grad_w
+
+
+def _wgrad_bf16(gb: torch.Tensor, xb: torch.Tensor, exact: bool) -> torch.Tensor:
+    """A BF16 weight-gradient GEMM dY^T X: fp32 output (exact) or BF16 output."""
+    if exact:
+        return fp32_out_mm(gb.t(), xb.t())
+    return torch.matmul(gb.t(), xb).float()

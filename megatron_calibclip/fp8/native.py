@@ -75,15 +75,23 @@ def _scales(a: GemmOperand, b: GemmOperand) -> Optional[torch.Tensor]:
 
 
 def operand_gemm(a: GemmOperand, b: GemmOperand, bias: Optional[torch.Tensor] = None,
-                 bf16_out: bool = True) -> torch.Tensor:
-    """[m, n] = sum_K a b (x alpha) (+ bias): BF16 if `bf16_out` (one rounding, as a GPU's
-    FP8 GEMM writes BF16), else fp32. The BF16 kernel is used whenever its single rounding
-    is the exact result: scales folded in, or powers of two applied to a bias-free sum."""
+                 bf16_out: bool = True, exact: bool = False) -> torch.Tensor:
+    """[m, n] = sum_K a b (x alpha) (+ bias), BF16 if `bf16_out` (one rounding, as a GPU's
+    GEMM writes BF16), else fp32.
+
+    exact: the result of the fp32 emulation up to fp32 accumulation order: the BF16 kernel
+    only where its single rounding is the exact result (scales folded in, or powers of two
+    applied to a bias-free sum), else the fp32-output kernel. Not exact (the "native" path):
+    always the BF16 kernel, and fp32 scales multiply its BF16 sum (one more rounding: at most
+    one BF16 step, on about a quarter of the outputs); an fp32 result is then BF16 values."""
     alpha = _scales(a, b)
-    if bf16_out and alpha is None:
-        return bf16_linear(a.values, b.values, bias)
-    if bf16_out and bias is None and a.pow2 and b.pow2:
-        return (bf16_linear(a.values, b.values).float() * alpha).to(BF16)
+    if alpha is None and (bf16_out or not exact):
+        out = bf16_linear(a.values, b.values, bias)
+        return out if bf16_out else out.float()
+    if not exact or (bf16_out and bias is None and a.pow2 and b.pow2):
+        out = bf16_linear(a.values, b.values).float() * alpha
+        out = out if bias is None else out + bias.float()
+        return out.to(BF16) if bf16_out else out.to(BF16).float()
     out = fp32_out_mm(a.values, b.values)
     if alpha is not None:
         out = out * alpha

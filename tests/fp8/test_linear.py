@@ -169,14 +169,14 @@ def test_emulated_linear_matches_shard_references(dist_pool, tp):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("tp", [1, 2])
-def test_native_linear_matches_shard_references(dist_pool, tp):
-    """The native BF16 kernels (codes, scales after the fp32 sum) through the pair. Only the
+def test_exact_native_linear_matches_shard_references(dist_pool, tp):
+    """The exact native path (codes, scales after the fp32 sum) through the pair. Only the
     column output reads the test's own inputs: a BF16 value at most one BF16 step away on a
     few elements (an fp32 sum near a rounding midpoint, summed in another order). Every other
     output reads an earlier GEMM's output, where such a step can move a BF16 rounding or an
     FP8 code: measured <= 4.3e-4 of the largest value; asserted <= 2e-3. The kernels alone, with
     no such cascade, are tested tightly in tests/fp8/test_native.py."""
-    results = dist_pool(2).run(_linear_body, tp, "native")
+    results = dist_pool(2).run(_linear_body, tp, "exact")
     for rank, res in enumerate(results):
         assert res.pop("fp32_bitwise")
         for (mode, kw), (key, errs) in zip(CASES, res.items()):
@@ -322,3 +322,21 @@ def test_bias_and_gathered_output_at_tp2(dist_pool):
     for res in dist_pool(2).run(_bias_gather_body):
         assert res["shape"] == [SEQ, BATCH, FFN]
         assert res["y"] <= 1e-6 and res["bias_grad"] <= 1e-6, res
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("tp", [1, 2])
+def test_native_linear_stays_near_shard_references(dist_pool, tp):
+    """The default native path: every GEMM writes BF16 (gradients too) and fp32 FP8 scales
+    multiply the BF16 sum. The column output reads the test's inputs: within two BF16 steps
+    of the largest value (measured <= 5.3e-3). Downstream, a value moved by one BF16 step can
+    land on the other side of an FP8 rounding boundary and flip an E4M3 / E5M2 code (the
+    re-rolled FP8 noise of docs/fp8-noise.md): measured <= 2.3e-2 of the largest value,
+    asserted <= 2**-4, one E4M3 step."""
+    results = dist_pool(2).run(_linear_body, tp, "native")
+    for rank, res in enumerate(results):
+        assert res.pop("fp32_bitwise")
+        for key, errs in res.items():
+            for name, (err, steps, frac) in zip(NAMES, errs):
+                limit = 2**-7 if name == "column output" else 2**-4
+                assert err <= limit, f"rank {rank} TP={tp} {key}: {name}: {err:.3g}"
