@@ -44,10 +44,10 @@ def _train(rank, world_size, cfg_dict):
         seen["built"] = {n: p.detach().clone() for n, p in c.policy.named_parameters()}
         return c
 
-    def spy(c, step):
+    def spy(c, step, **kw):
         if step == 0:  # after the supervised warm-up
             seen["initial"] = masters(c)
-        out = real_step(c, step)
+        out = real_step(c, step, **kw)
         seen["params"] = {n: p.detach().clone() for n, p in c.policy.named_parameters()}
         seen["masters"] = masters(c)
         seen["reference_dtypes"] = {p.dtype for p in c.reference.parameters()}
