@@ -77,13 +77,16 @@ def run_dir_for(cfg: TrainConfig) -> Path:
 
 
 def resolved_settings(cfg: TrainConfig, c: Components) -> dict[str, str]:
-    """The machine-dependent choices of this run (config.yaml keeps `auto`): a run resumed on
-    another machine may resolve differently, and resolved.yaml says what each start got."""
+    """The machine-dependent choices of this run (config.yaml keeps `auto`) and the code it
+    runs: a run resumed on another machine or commit may differ, and resolved.yaml says what
+    each start got."""
     from megatron_calibclip.fp8.backend import resolve_backend
+    from megatron_calibclip.trainer.provenance import code_version
 
     out = {"device": str(c.device), "params_dtype": cfg.model.resolved_params_dtype()}
     for section, recipe in cfg.fp8_recipes_in_use():
         out[f"{section}.backend"] = resolve_backend(recipe.backend)[0]
+    out.update(code_version())
     return out
 
 
