@@ -9,7 +9,8 @@ The math is the SPEC's:
   alpha = #{N: log r16 <= log(1 - eps_low)} / |N| = k / |N|                (exact counts)
   L*    = smallest grid point l with #{N: log r8 <= l} >= k                (k-th order stat, rounded up)
   L     = min(L*, 1 - eps_low) with widen_only (the default), else L*
-  H*    = by `upper_rule` (config.py; the default log_scale: log H* = log(1+eps_high) log L / log(1-eps_low)),
+  H*    = by `upper_rule` (config.py; the default log_scale: log H* = log(1+eps_high) log L / log(1-eps_low);
+          host: H* = 1 + eps_high, only L calibrated),
           e.g. mass_balance (the SPEC's): smallest grid h with U+(r8, h) >= p * U-(r8, L),
           p = U+(r16, 1 + eps_high) / U-(r16, 1 - eps_low)                 (exact sums)
   H     = max(H*, 1 + eps_high) with widen_only, else H*

@@ -15,8 +15,10 @@ itself trains with the bounds in force when it began"). Usage::
             clipper.compute(acc, step, group=dp_cp_group)          # in force from step + 1
 
 With `pool_calibrations` m > 1 the clipper also keeps the merged histogram sums of the last
-m - 1 calibration steps (identical on every rank; in its checkpointed state) and solves each
-calibration on them together with the new step's.
+m - 1 calibrated periods (identical on every rank; in its checkpointed state) and solves each
+calibration on them together with the new step's. A period is the K steps from a scheduled
+calibration to the next; with `retry_on_scarce_data` a period's retries stay inside it, and
+the pool keeps one step per period (its latest with A < 0 tokens), as the schedule would read.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from megatron_calibclip.calibration.result import CalibrationResult
 from megatron_calibclip.calibration.solver import SCALARS
 from megatron_calibclip.parallel.devices import HOST
 
-STATE_FORMAT = "megatron_calibclip.CalibratedClipper/1"
+STATE_FORMAT = "megatron_calibclip.CalibratedClipper/1"  # later fields are optional in it
 # fallbacks for lack of data (reason codes): retry_on_scarce_data calibrates again next step
 SCARCE_DATA = ("no_negative_tokens", "alpha_zero", "too_few_clipped_negative")
 logger = logging.getLogger(__name__)
@@ -51,7 +53,10 @@ class CalibratedClipper:
         self.dual_clip_c = dual_clip_c  # the loss's dual-clip c (None: off): counted as the loss counts it
         CalibrationAccumulator.from_config(self.config, eps_low, eps_high, dual_clip_c=dual_clip_c)  # validates
         self.eps_low, self.eps_high = float(eps_low), float(eps_high)
-        self._lower, self._upper = self.config.initial_lower, self.config.initial_upper
+        # upper_rule "host" (L-only): H is the host's bound on every step, exactly as fixed clipping has it
+        self._host_upper = 1.0 + self.eps_high if self.config.upper_rule == "host" else None
+        self._lower = self.config.initial_lower
+        self._upper = self.config.initial_upper if self._host_upper is None else self._host_upper
         self._pending: tuple[float, float, int] | None = None  # (L, H, first step in force)
         self._step: int | None = None
         self._num_calibrations = 0  # successful ones (the first sets the bounds directly)
@@ -59,17 +64,25 @@ class CalibratedClipper:
         self._last_reason: str | None = None
         self._last_metrics: dict[str, float] = {}
         self._last_labels: dict[str, str] = {}
-        self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # merged sums, oldest first
-        self._retry_from: int | None = None  # retry_on_scarce_data: calibrate on every step from here
+        self._pool: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (period, merged sums), oldest first
+        # retry_on_scarce_data: calibrate on every step in [retry_from, retry_until)
+        self._retry_from: int | None = None
+        self._retry_until: int | None = None
 
     # ------------------------------------------------------------------ timing
     def is_calibration_step(self, step: int) -> bool:
         """True on steps 0, K, 2K, ...: run the shadow pass and calibrate on this step; with
-        retry_on_scarce_data also on every step after a fallback for lack of data, until a
-        calibration runs with enough (a skipped step does not lose the retry)."""
-        if self._retry_from is not None and step >= self._retry_from:
+        retry_on_scarce_data also on the steps after a fallback for lack of data, until a
+        calibration runs with enough, at most `max_retries` steps after the scheduled one (a
+        step the trainer skips does not lose the retry, but the retry ends with its period)."""
+        if self._retry_from is not None and self._retry_from <= step < self._retry_until:
             return True
         return step >= 0 and step % self.config.period == 0
+
+    def _retry_window(self, step: int) -> tuple[int, int] | None:
+        """[first, end) of the retries after a fallback for lack of data on `step` (None: none left)."""
+        end = (step // self.config.period) * self.config.period + self.config.max_retries + 1
+        return (step + 1, end) if step + 1 < end else None
 
     def begin_step(self, step: int) -> tuple[float, float]:
         """Start `step`: bounds computed during an earlier step come into force; returns (L, H)."""
@@ -112,12 +125,15 @@ class CalibratedClipper:
 
     def compute(self, acc: CalibrationAccumulator, step: int,
                 group: dist.ProcessGroup | None = None) -> CalibrationResult:
-        """Compute `acc` (a collective over `group`) pooled with the kept earlier calibrations,
-        then update; keeps this step's merged sums for the next ones (pool_calibrations)."""
+        """Compute `acc` (a collective over `group`) pooled with the kept earlier periods, then
+        update; keeps this step's merged sums for the next ones (pool_calibrations), in place of
+        an earlier attempt of the same period (a retry reads what the schedule would have)."""
         keep = self.config.pool_calibrations - 1
-        result = acc.compute(group, pool=self._pool, keep_merged=keep > 0)
+        period = step // self.config.period
+        earlier = [entry for entry in self._pool if entry[0] != period][-keep:] if keep > 0 else []
+        result = acc.compute(group, pool=[(data, scalars) for _, data, scalars in earlier], keep_merged=keep > 0)
         if keep > 0 and acc.merged_sums is not None and _poolable(acc.merged_sums[1]):
-            self._pool = (self._pool + [acc.merged_sums])[-keep:]
+            self._pool = (earlier + [(period, *acc.merged_sums)])[-keep:]
         self.update(result, step)
         return result
 
@@ -137,7 +153,8 @@ class CalibratedClipper:
                                or not math.isfinite(result.lower) or not math.isfinite(result.upper)):
             reason = "nonfinite_bound: the estimator returned no finite bound"  # never clamped
         scarce = reason is not None and reason.split(":", 1)[0] in SCARCE_DATA
-        self._retry_from = step + 1 if scarce and cfg.retry_on_scarce_data else None
+        window = self._retry_window(step) if scarce else None
+        self._retry_from, self._retry_until = window if window is not None else (None, None)
         if reason is not None:
             self._num_fallbacks += 1
             self._last_reason = reason
@@ -152,6 +169,8 @@ class CalibratedClipper:
         else:
             new_l = _ema(base_l, target_l, cfg.ema_beta, cfg.smoothing)
             new_h = _ema(base_h, target_h, cfg.ema_beta, cfg.smoothing)
+        if self._host_upper is not None:  # exactly the host's bound (the solver's is exp(log1p(eps_high)))
+            target_h = new_h = self._host_upper
         self._pending = (new_l, new_h, step + 1)
         self._num_calibrations += 1
         self._last_reason = None
@@ -206,9 +225,10 @@ class CalibratedClipper:
             "last_reason": self._last_reason,
             "last_metrics": dict(self._last_metrics),
             "last_labels": dict(self._last_labels),
-            "pool": [_sparse(data, scalars) for data, scalars in self._pool],
+            "pool": [{**_sparse(data, scalars), "period": period} for period, data, scalars in self._pool],
             "pool_layout": self._layout(),
             "retry_from": self._retry_from,
+            "retry_until": self._retry_until,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -232,8 +252,17 @@ class CalibratedClipper:
         # saved run's keeps the newest entries
         retry = state.get("retry_from")  # absent in states saved before the option existed
         self._retry_from = None if retry is None else int(retry)
+        until = state.get("retry_until")  # absent before the retries were capped: end of the period
+        if self._retry_from is not None and until is None:
+            window = self._retry_window(self._retry_from - 1)
+            until = None if window is None else window[1]
+        self._retry_until = None if until is None else int(until)
+        if self._retry_until is None:
+            self._retry_from = None
         keep = self.config.pool_calibrations - 1
-        pool = [_dense(entry) for entry in state.get("pool", [])]
+        saved = state.get("pool", [])
+        # entries saved before periods were recorded: one step each, all from earlier periods
+        pool = [(int(entry.get("period", i - len(saved))), *_dense(entry)) for i, entry in enumerate(saved)]
         if pool and state.get("pool_layout") != self._layout():
             logger.warning("calibration pool not restored: it was saved with the histogram layout %s, "
                            "this run's is %s; the next calibrations pool from scratch",

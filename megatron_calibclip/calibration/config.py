@@ -15,7 +15,7 @@ from megatron_calibclip.config import ConfigError
 
 MassMode = Literal["abs_adv_ratio", "tokens"]
 ShadowPrecision = Literal["bf16", "fp32"]
-UpperRule = Literal["log_scale", "quantile", "mass_fraction", "mass_balance"]
+UpperRule = Literal["log_scale", "quantile", "mass_fraction", "mass_balance", "host"]
 SmoothingSpace = Literal["log", "linear"]
 UPPER_RULES: tuple[str, ...] = get_args(UpperRule)
 SMOOTHING_SPACES: tuple[str, ...] = get_args(SmoothingSpace)
@@ -40,7 +40,10 @@ class CalibrationConfig:
     # "quantile": count matching on A > 0, mirroring L: beta = share of A > 0 tokens with
     #   r_shadow > 1 + eps_high, H = (1 - beta)-quantile of r_fp8 over A > 0;
     # "mass_fraction": U+(r8, H) / U+(r8, inf) = U+(r16, 1 + eps_high) / U+(r16, inf);
-    # "mass_balance": the SPEC's rule, smallest H with U+(r8, H) >= p_bf16 * U-(r8, L).
+    # "mass_balance": the SPEC's rule, smallest H with U+(r8, H) >= p_bf16 * U-(r8, L);
+    # "host" ([ours], "L-only"): H stays the host's 1 + eps_high from the first step on (also
+    #   before the first calibration: initial_upper is not read) and only L is calibrated; the
+    #   control that separates a calibrated L from a wider H.
     upper_rule: UpperRule = "log_scale"
     # A quantile read from fewer BF16-clipped tokens is noise: fall back (keep the bounds,
     # log why) unless the shadow clips at least this many A < 0 tokens (for L) and, for the
@@ -61,8 +64,15 @@ class CalibrationConfig:
     # steps. Why: at small batch a late, low-entropy GRPO step often holds no group with mixed
     # rewards, hence no A < 0 token at all (the reproduction: 6 of 10 calibration steps of
     # fp8-calibrated), and those steps train nothing either; retrying costs one more shadow
-    # pass. false (default): the paper's fixed schedule, every K steps.
+    # pass. false (default): the paper's fixed schedule, every K steps. Retries stay inside
+    # the period of the calibration they repeat (at most `retry_steps` of them) and a pooled
+    # calibration reads one step per period, its latest with data (docs/calibration.md).
     retry_on_scarce_data: bool = False
+    # [ours] With retry_on_scarce_data: retry on at most this many steps after each scheduled
+    # calibration, then wait for the next scheduled one. None (default): K - 1, every other
+    # step of the period. A smaller number bounds the extra shadow passes while data stay
+    # scarce (at most retry_steps per K steps).
+    retry_steps: Optional[int] = None
     # Calibration only widens the host's bounds: L <= 1 - eps_low and H >= 1 + eps_high
     # (H is solved for the L actually used). false lets it tighten them too.
     widen_only: bool = True
@@ -71,7 +81,8 @@ class CalibrationConfig:
     record_dir: Optional[str] = None
     # Lower bound L (a ratio, not an epsilon) used until the first calibration takes effect.
     initial_lower: float = 0.6
-    # Upper bound H (a ratio) used until the first calibration takes effect.
+    # Upper bound H (a ratio) used until the first calibration takes effect (not read by
+    # upper_rule "host", whose H is always 1 + eps_high).
     initial_upper: float = 1.8
     # Plausible range of a calibrated L: an L* outside [lower_min, lower_max] is a fallback
     # with a reason (never silently clamped to the edge).
@@ -135,6 +146,9 @@ class CalibrationConfig:
                and self.pool_calibrations >= 1, "pool_calibrations", self.pool_calibrations, "an integer >= 1")
         _check(isinstance(self.retry_on_scarce_data, bool), "retry_on_scarce_data", self.retry_on_scarce_data,
                "true or false")
+        _check(self.retry_steps is None or (isinstance(self.retry_steps, int) and not isinstance(self.retry_steps, bool)
+                                            and 1 <= self.retry_steps <= self.period - 1),
+               "retry_steps", self.retry_steps, f"null (= period - 1) or an integer in [1, period - 1 = {self.period - 1}]")
         _check(isinstance(self.widen_only, bool), "widen_only", self.widen_only, "true or false")
         _check(self.record_dir is None or (isinstance(self.record_dir, str) and self.record_dir != ""),
                "record_dir", self.record_dir, "a folder path or null")
@@ -146,6 +160,13 @@ class CalibrationConfig:
         calibration, pool_calibrations > 1, is one-pass: one bin)."""
         width = (self.log_ratio_max - self.log_ratio_min) / self.bins
         return width / self.refine_bins if self.refine else width
+
+    @property
+    def max_retries(self) -> int:
+        """Steps after a scheduled calibration on which retry_on_scarce_data may retry it (0: off)."""
+        if not self.retry_on_scarce_data:
+            return 0
+        return self.period - 1 if self.retry_steps is None else self.retry_steps
 
 
 def _check(ok: bool, field: str, value: object, allowed: str) -> None:

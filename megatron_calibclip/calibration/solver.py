@@ -137,7 +137,7 @@ class _Solver:
             pos_clip_frac_shadow_eps=frac(s["n_pos_shadow_eps"], n_pos),
             pos_clip_frac_fp8_eps=frac(s["n_pos_fp8_eps"], n_pos),
             neg_clip_frac_fp8_lower=None if neg_at_l is None else neg_at_l / n_neg,
-            pos_clip_frac_fp8_upper=None if pos_at_h is None else 1.0 - pos_at_h / n_pos,
+            pos_clip_frac_fp8_upper=None if pos_at_h is None or n_pos == 0 else 1.0 - pos_at_h / n_pos,
             upper_rule=spec.upper_rule, beta=beta,
             n_pos_clipped_shadow=int(s["n_pos_shadow_eps"]),
             log_lower_raw=raw_l, log_upper_raw=raw_h,
@@ -180,7 +180,10 @@ class _Solver:
             neg_at_l, u_minus = self.s["n_neg_fp8_eps"], self.s["u_minus_fp8_eps"]
         else:
             u_minus = u_minus_above - self.s["u_minus_fp8_dual"]  # dual-clipped: no gradient
-        if spec.upper_rule == "log_scale":
+        if spec.upper_rule == "host":  # L-only: H stays the host's bound (exact counts there)
+            log_h_star = spec.t_high
+            pos_at_h_star = self.s["n_pos"] - self.s["n_pos_fp8_eps"]
+        elif spec.upper_rule == "log_scale":
             log_h_star = spec.t_high * log_l / spec.t_low
             pos_at_h_star = hist.at_most("pos_count", hist.locate_value(log_h_star))  # within one bin
         else:
@@ -219,7 +222,7 @@ class _Solver:
     def _upper_slots_before_l(self, slot_l: int, l_refined: bool, p: float | None) -> tuple[int | None, int | None]:
         """Slots H* can fall in, as known from the first pass (None: not known before L*)."""
         spec, hist = self.spec, self.hist
-        if spec.upper_rule == "log_scale":
+        if spec.upper_rule in ("log_scale", "host"):  # closed forms: no positive slot to zoom into
             return None, None
         if spec.upper_rule != "mass_balance":
             channel, target = self._upper_target()

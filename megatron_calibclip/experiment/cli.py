@@ -43,12 +43,16 @@ def add_experiment_parser(sub) -> None:
     s.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     s.set_defaults(func=_cmd_survey)
 
-    r = esub.add_parser("reproduce", help="run (or resume) every arm of an experiment file")
+    r = esub.add_parser("reproduce", help="run (or resume) the arms of one round of an experiment file")
     r.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="experiment YAML")
-    r.add_argument("--arms", nargs="+", help="only these arms (default: all, in file order)")
+    r.add_argument("--seed", type=int, help="run.seed of a seeded round: its arms run in "
+                                            "RUNS_DIR/seed-N/<arm>/ and are copied to seed-N/<arm>/")
+    r.add_argument("--round", help="round of the file (default: the last seeded round with --seed, "
+                                   "else the first round without seeds)")
+    r.add_argument("--arms", nargs="+", help="only these arms, as a,b or a b (default: the round's, in order)")
     r.add_argument("--nproc", type=int, default=2, help="ranks per arm (torchrun)")
     r.add_argument("--runs-dir", default="runs/reproduction", help="where the runs live")
-    r.add_argument("--metrics-dir", help="where <arm>/metrics.jsonl is copied "
+    r.add_argument("--metrics-dir", help="where <arm>/ (seeded: seed-N/<arm>/) files are copied "
                                          "(default: the experiment file's folder)")
     r.add_argument("--keep-going", action="store_true", help="run the next arm after a failure")
     r.set_defaults(func=run_reproduce)

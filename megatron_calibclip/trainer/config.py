@@ -16,6 +16,7 @@ from megatron_calibclip.rl import PolicyLossConfig
 from megatron_calibclip.rollout import SamplingParams
 
 Precision = Literal["fp32", "bf16", "fp8"]
+EvalPrecision = Literal["rollout", "fp32", "bf16", "fp8"]
 
 
 def _need(ok: bool, path: str, value: Any, rule: str) -> None:
@@ -216,12 +217,26 @@ class EvaluationSection:  # held-out greedy accuracy (trainer/evaluation.py)
     every: int = 0  # evaluate before steps 0, N, 2N, ... and after the last step (0: never)
     size: int = 128  # held-out problems, none of them in the training data
     max_new_tokens: Optional[int] = None  # None: rollout.sampling.max_new_tokens
+    # precision of the greedy decode: "rollout" (default: the policy as it is served, in the
+    # rollout precision and recipe), or one precision for every arm of an experiment, so that
+    # held-out accuracy compares weights, not decoders ("fp8" uses the rollout's FP8 recipe)
+    precision: EvalPrecision = "rollout"
 
     def __post_init__(self) -> None:
         _need(self.every >= 0, "evaluation.every", self.every, ">= 0 (0: never)")
         _need(self.size >= 1, "evaluation.size", self.size, ">= 1")
         _need(self.max_new_tokens is None or self.max_new_tokens >= 1,
               "evaluation.max_new_tokens", self.max_new_tokens, ">= 1 or null")
+
+
+@dataclass
+class SamplesSection:  # decoded responses in run_dir/samples.jsonl (trainer/samples.py)
+    every: int = 1  # write samples on steps 0, N, 2N, ... (0: never)
+    count: int = 4  # responses per sampled step, from rank 0's share (round-robin over its prompts)
+
+    def __post_init__(self) -> None:
+        _need(self.every >= 0, "samples.every", self.every, ">= 0 (0: never)")
+        _need(self.count >= 1, "samples.count", self.count, ">= 1")
 
 
 @dataclass
@@ -239,6 +254,7 @@ class TrainConfig:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)  # supervised warm-up before RL
     diagnostics: DiagnosticsSection = field(default_factory=DiagnosticsSection)
     evaluation: EvaluationSection = field(default_factory=EvaluationSection)
+    samples: SamplesSection = field(default_factory=SamplesSection)  # decoded responses per step
     precision: Precision = "fp8"  # precision of the trainer's forward/backward GEMMs
     fp8: FP8Recipe = field(default_factory=FP8Recipe)  # the trainer's FP8 recipe
 
@@ -262,6 +278,7 @@ class TrainConfig:
         if self.model.resolved_params_dtype() == "bf16":
             for path, value in (("precision", self.precision),
                                 ("rollout.precision", self.rollout.precision),
+                                ("evaluation.precision", self.evaluation.precision),
                                 ("clipping.calibration.shadow_precision",
                                  self.clipping.calibration.shadow_precision)):
                 if value == "fp32":
@@ -284,10 +301,19 @@ class TrainConfig:
 
     def fp8_recipes_in_use(self) -> list[tuple[str, FP8Recipe]]:
         """(section, recipe) of the trainer's and the rollout's FP8 recipes that an FP8 GEMM
-        reads (precision fp8)."""
+        reads (precision fp8; an FP8 held-out evaluation reads the rollout's)."""
+        rollout = self.rollout.precision
+        if self.evaluation.every and self.evaluation.precision == "fp8":
+            rollout = "fp8"
         return [(section, recipe) for section, recipe, precision in (
             ("fp8", self.fp8, self.precision),
-            ("rollout.fp8", self.rollout_recipe, self.rollout.precision)) if precision == "fp8"]
+            ("rollout.fp8", self.rollout_recipe, rollout)) if precision == "fp8"]
+
+    @property
+    def evaluation_precision(self) -> str:
+        """The precision the held-out evaluation decodes in ('rollout' resolved)."""
+        e = self.evaluation.precision
+        return self.rollout.precision if e == "rollout" else e
 
     def _check_fp8_backends(self) -> None:
         """A backend this machine cannot run, or one that cannot run the recipe, fails here

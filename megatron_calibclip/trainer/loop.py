@@ -32,6 +32,7 @@ from megatron_calibclip.trainer.metrics import (
     summary_table,
 )
 from megatron_calibclip.trainer.run_dir import RunDirError, check_run_dir
+from megatron_calibclip.trainer.samples import SampleWriter
 from megatron_calibclip.trainer.step import train_step
 
 
@@ -76,13 +77,16 @@ def run_dir_for(cfg: TrainConfig) -> Path:
 
 
 def resolved_settings(cfg: TrainConfig, c: Components) -> dict[str, str]:
-    """The machine-dependent choices of this run (config.yaml keeps `auto`): a run resumed on
-    another machine may resolve differently, and resolved.yaml says what each start got."""
+    """The machine-dependent choices of this run (config.yaml keeps `auto`) and the code it
+    runs: a run resumed on another machine or commit may differ, and resolved.yaml says what
+    each start got."""
     from megatron_calibclip.fp8.backend import resolve_backend
+    from megatron_calibclip.trainer.provenance import code_version
 
     out = {"device": str(c.device), "params_dtype": cfg.model.resolved_params_dtype()}
     for section, recipe in cfg.fp8_recipes_in_use():
         out[f"{section}.backend"] = resolve_backend(recipe.backend)[0]
+    out.update(code_version())
     return out
 
 
@@ -150,55 +154,76 @@ def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
                 print(f"{run_dir}: {start_step} steps already done (run.steps = {cfg.run.steps}); "
                       f"nothing to run: raise run.steps to continue", flush=True)
             return {"run_dir": run_dir, "records": []}
-        logger = MetricsLogger(run_dir, cfg.run.steps - start_step, enabled=rank0,
-                               tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
-                               start_step=start_step)
-        records = []
         t0 = time.perf_counter()
-        try:
-            for step in range(start_step, cfg.run.steps):
-                last = step == cfg.run.steps - 1
-                t = time.perf_counter()
-                before = _evaluation(c, step, before=True)
-                metrics = train_step(c, step)
-                metrics.update(before)
-                metrics.update(_evaluation(c, step, before=False) if last else {})
-                metrics["time/step"] = time.perf_counter() - t
-                if c.skips.total:
-                    metrics["data/skipped"] = float(c.skips.total)
-                logger.log(step, metrics)
-                records.append(metrics)
-                every = cfg.run.save_every
-                if preempt.should_stop():  # collective: every rank stops after this step
-                    if checkpointer is not None:
-                        checkpointer.save(step, c)
-                    if rank0:
-                        print(f"preempted: saved after step {step}; exiting with "
-                              f"{EXIT_PREEMPTED} (requeue)", flush=True)
-                    raise SystemExit(EXIT_PREEMPTED)
-                if checkpointer is not None and (last or (every and (step + 1) % every == 0)):
-                    checkpointer.save(step, c)
-        finally:
-            logger.close()
+        records = _run_steps(c, run_dir, start_step, checkpointer, preempt, rank0)
     if rank0 and records:
-        all_records = read_metrics(run_dir / "metrics.jsonl")
-        if cfg.run.plot:
-            png = plot_summary(all_records, run_dir / "summary.png",
-                               title=f"{cfg.run.name}: {cfg.algorithm.name}, trainer "
-                                     f"{cfg.precision}, clipping {cfg.clipping.mode}")
-            print(f"plot: {png}")
-        print(summary_table(all_records))
-        print(learning_line(all_records))
-        if calibration_records(all_records):
-            print(calibration_table(all_records))
-            print(calibration_line(all_records))
-        if c.skips.total:
-            print(f"data: {c.skips.summary()}")
-        print(f"{len(records)} steps in {time.perf_counter() - t0:.1f}s; outputs in {run_dir}/ "
-              f"(metrics.jsonl, tensorboard/, summary.png, config.yaml"
-              f"{', checkpoints/' if checkpointer is not None else ''})")
-        (run_dir / "done.json").write_text(json.dumps({"steps": cfg.run.steps}))
+        _report_end(cfg, c, run_dir, len(records), time.perf_counter() - t0,
+                    checkpoints=checkpointer is not None)
     return {"run_dir": run_dir, "records": records}
+
+
+def _run_steps(c: Components, run_dir: Path, start_step: int, checkpointer: Optional[Checkpointer],
+               preempt, rank0: bool) -> list[dict[str, Any]]:
+    """Steps start_step .. run.steps - 1: evaluate, train, log metrics and samples, checkpoint."""
+    from megatron_calibclip.checkpoint import EXIT_PREEMPTED
+
+    cfg = c.cfg
+    logger = MetricsLogger(run_dir, cfg.run.steps - start_step, enabled=rank0,
+                           tensorboard=cfg.run.tensorboard, progress=cfg.run.progress,
+                           start_step=start_step)
+    samples = SampleWriter(run_dir, every=cfg.samples.every, count=cfg.samples.count,
+                           group_size=cfg.algorithm.group_size, enabled=rank0, start_step=start_step)
+    records = []
+    try:
+        for step in range(start_step, cfg.run.steps):
+            last = step == cfg.run.steps - 1
+            t = time.perf_counter()
+            before = _evaluation(c, step, before=True)
+            write = (lambda data, s=step: samples.write(s, data, c.tokenizer)) if samples.due(step) else None
+            metrics = train_step(c, step, on_data=write)
+            metrics.update(before)
+            metrics.update(_evaluation(c, step, before=False) if last else {})
+            metrics["time/step"] = time.perf_counter() - t
+            if c.skips.total:
+                metrics["data/skipped"] = float(c.skips.total)
+            logger.log(step, metrics)
+            records.append(metrics)
+            every = cfg.run.save_every
+            if preempt.should_stop():  # collective: every rank stops after this step
+                if checkpointer is not None:
+                    checkpointer.save(step, c)
+                if rank0:
+                    print(f"preempted: saved after step {step}; exiting with "
+                          f"{EXIT_PREEMPTED} (requeue)", flush=True)
+                raise SystemExit(EXIT_PREEMPTED)
+            if checkpointer is not None and (last or (every and (step + 1) % every == 0)):
+                checkpointer.save(step, c)
+    finally:
+        logger.close()
+        samples.close()
+    return records
+
+
+def _report_end(cfg: TrainConfig, c: Components, run_dir: Path, steps: int, seconds: float, *,
+                checkpoints: bool) -> None:
+    """Rank 0, after the last step: the plot, the summary and calibration tables, done.json."""
+    all_records = read_metrics(run_dir / "metrics.jsonl")
+    if cfg.run.plot:
+        png = plot_summary(all_records, run_dir / "summary.png",
+                           title=f"{cfg.run.name}: {cfg.algorithm.name}, trainer "
+                                 f"{cfg.precision}, clipping {cfg.clipping.mode}")
+        print(f"plot: {png}")
+    print(summary_table(all_records))
+    print(learning_line(all_records))
+    if calibration_records(all_records):
+        print(calibration_table(all_records))
+        print(calibration_line(all_records))
+    if c.skips.total:
+        print(f"data: {c.skips.summary()}")
+    outputs = ["metrics.jsonl"] + (["samples.jsonl"] if cfg.samples.every else []) + [
+        "tensorboard/", "summary.png", "config.yaml"] + (["checkpoints/"] if checkpoints else [])
+    print(f"{steps} steps in {seconds:.1f}s; outputs in {run_dir}/ ({', '.join(outputs)})")
+    (run_dir / "done.json").write_text(json.dumps({"steps": cfg.run.steps}))
 
 
 def main_train(cfg: TrainConfig) -> int:

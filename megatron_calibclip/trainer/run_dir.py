@@ -22,7 +22,7 @@ from megatron_calibclip.config import to_dict
 # may differ between a run and its continuation: how long, how often to save, what to show
 IGNORED = {"run.steps", "run.progress", "run.tensorboard", "run.plot", "run.save_every",
            "run.checkpoint", "run.keep_checkpoints", "run.overwrite", "run.output_dir",
-           "clipping.calibration.record_dir"}
+           "clipping.calibration.record_dir", "samples.every", "samples.count"}
 
 
 class RunDirError(RuntimeError):

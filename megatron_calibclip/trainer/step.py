@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -193,8 +193,10 @@ def _dp_all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor
     return t
 
 
-def train_step(c: Components, step: int) -> dict[str, Any]:
-    """Run one RL step; returns the step's metrics (identical on every rank)."""
+def train_step(c: Components, step: int,
+               on_data: Optional[Callable[[StepData], None]] = None) -> dict[str, Any]:
+    """Run one RL step; returns the step's metrics (identical on every rank). `on_data` sees
+    this rank's rollouts, rewards and advantages before the update (e.g. to write samples)."""
     timer = Timer()
     stats: dict[str, Any] = {"step": step}
     lower, upper = (c.clipper.begin_step(step) if c.clipper is not None
@@ -205,6 +207,8 @@ def train_step(c: Components, step: int) -> dict[str, Any]:
         stats["skipped"] = "no group with mixed rewards after dynamic sampling"
         stats.update({"clip/lower": lower, "clip/upper": upper})
         return stats
+    if on_data is not None:
+        on_data(data)
     stats.update(update_policy(c, data, step, lower, upper, calibrating, timer))
     for k, v in timer.times.items():
         stats[f"time/{k}"] = v

@@ -1,10 +1,12 @@
 """Assertions comparing a CalibrationResult with the exact numpy reference (tests only)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
+from megatron_calibclip.calibration import CalibrationResult
 from tests.calibration.reference import exact_lower, exact_upper, snapped_ok
 
 LO, HI, BINS, REFINE_BINS = -4.0, 4.0, 16384, 4096
@@ -76,3 +78,13 @@ def assert_matches_exact(res, batch, eps_low, eps_high, mass, *, refined: bool, 
         neg, pos = valid & (adv < 0), valid & (adv > 0)
     assert r["neg_clip_frac_fp8_lower"] == (lr8[neg] <= log_l).sum() / ex.n_neg
     assert math.isclose(r["pos_clip_frac_fp8_upper"], (lr8[pos] > log_h).sum() / ex.n_pos, abs_tol=1e-12)
+
+
+def fake_result(lower, upper, reason=None) -> CalibrationResult:
+    """A CalibrationResult with given raw bounds (other fields are irrelevant to the clipper)."""
+    values = {f.name: 0 for f in dataclasses.fields(CalibrationResult)}
+    values.update(lower=lower, upper=upper, reason=reason, mass="abs_adv_ratio", shadow_precision="bf16",
+                  refined=False, resolution=2.0 ** -11, alpha=0.1, p_bf16=1.0)
+    values.update(log_lower=None if lower is None else math.log(lower),
+                  log_upper=None if upper is None else math.log(upper))
+    return CalibrationResult(**values)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 LOG_08 = math.log1p(-0.2)  # exactly the eps_low = 0.2 threshold, float64
 KINDS = ("realistic", "heavy", "tied", "single_bin", "single_token", "out_of_range")
@@ -56,3 +57,38 @@ def shard(batch: dict[str, np.ndarray], owner: np.ndarray, rank: int) -> dict[st
     """Tokens of `batch` whose owner (per-token rank id) is `rank`."""
     sel = owner == rank
     return {k: v[sel] for k, v in batch.items()}
+
+
+KEYS = ("lr8", "lr16", "adv", "mask")
+
+
+def small_step(seed: int, n: int = 400, shadow_std: float = 0.1, fp8_std: float = 0.2) -> dict[str, np.ndarray]:
+    """One small RL step: ~n/2 tokens with A < 0; the shadow clips ~1% of them (1-4 tokens),
+    FP8 adds noise of `fp8_std` in log r (the reproduction's regime)."""
+    rng = np.random.default_rng(seed)
+    lr16 = rng.normal(0.0, shadow_std, n)
+    return {"lr8": lr16 + rng.normal(0.0, fp8_std, n), "lr16": lr16,
+            "adv": np.where(rng.random(n) < 0.5, -1.0, 1.0) * rng.uniform(0.2, 1.5, n),
+            "mask": rng.random(n) > 0.05}
+
+
+def step_with_clipped(k: int, seed: int, n: int = 200) -> dict[str, np.ndarray]:
+    """A step whose shadow clips exactly `k` of its n/2 A < 0 tokens (k = -1: no A < 0 token)."""
+    rng = np.random.default_rng(seed)
+    adv = np.where(np.arange(n) % 2 == 0, -1.0, 1.0) * rng.uniform(0.2, 1.5, n)
+    if k < 0:
+        adv = np.abs(adv)
+    lr16 = rng.uniform(-0.1, 0.1, n)
+    lr16[np.flatnonzero(adv < 0)[:max(k, 0)]] = -0.5  # below log(0.8)
+    return {"lr8": lr16 + rng.normal(0.0, 0.2, n), "lr16": lr16, "adv": adv, "mask": np.ones(n, bool)}
+
+
+def step_tensors(step: dict[str, np.ndarray], sel=None) -> list[torch.Tensor]:
+    """The step's (lr8, lr16, adv, mask) as tensors (optionally a subset of its tokens)."""
+    sel = np.ones(len(step["mask"]), bool) if sel is None else sel
+    return [torch.from_numpy(np.ascontiguousarray(step[k][sel])) for k in KEYS]
+
+
+def union(steps: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The tokens of several steps as one."""
+    return {k: np.concatenate([s[k] for s in steps]) for k in KEYS}

@@ -146,7 +146,9 @@ def exact_bounds(lr8, lr16, adv, mask, eps_low, eps_high, *, rule, min_clipped=2
     log_l = min(l_star, t_low) if widen_only else l_star
     if not lo_l <= log_l <= hi_l:
         return fail("lower_out_of_range", l_star)
-    if rule == "log_scale":
+    if rule == "host":  # L-only: H is the host's 1 + eps_high
+        h_star = t_high
+    elif rule == "log_scale":
         h_star = t_high * log_l / t_low
     elif rule == "quantile":
         h_star = float(np.sort(x8p)[len(x8p) - k_pos - 1]) if len(x8p) > k_pos else -math.inf

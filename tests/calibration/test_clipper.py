@@ -11,21 +11,11 @@ import torch
 from megatron_calibclip.calibration import (
     CalibratedClipper,
     CalibrationConfig,
-    CalibrationResult,
     compute_calibrated_bounds,
 )
 from megatron_calibclip.config import ConfigError, from_dict
+from tests.calibration.checks import fake_result
 from tests.calibration.data import make_batch
-
-
-def _result(lower, upper, reason=None):
-    """A CalibrationResult with given raw bounds (other fields are irrelevant to the clipper)."""
-    values = {f.name: 0 for f in dataclasses.fields(CalibrationResult)}
-    values.update(lower=lower, upper=upper, reason=reason, mass="abs_adv_ratio", shadow_precision="bf16",
-                  refined=False, resolution=2.0 ** -11, alpha=0.1, p_bf16=1.0)
-    values.update(log_lower=None if lower is None else math.log(lower),
-                  log_upper=None if upper is None else math.log(upper))
-    return CalibrationResult(**values)
 
 
 def _tensors(batch):
@@ -36,7 +26,7 @@ def test_period_and_timing_bounds_take_effect_from_the_next_step():
     clipper = CalibratedClipper(CalibrationConfig(period=3), eps_low=0.2, eps_high=0.28)
     assert [s for s in range(10) if clipper.is_calibration_step(s)] == [0, 3, 6, 9]
     assert clipper.begin_step(0) == (0.6, 1.8)
-    assert clipper.update(_result(0.7, 1.4), step=0)
+    assert clipper.update(fake_result(0.7, 1.4), step=0)
     assert clipper.bounds == (0.6, 1.8)  # the calibration step keeps the bounds it began with
     assert clipper.next_bounds == (0.7, 1.4)
     assert clipper.begin_step(0) == (0.6, 1.8)  # re-entering step 0 does not promote
@@ -56,11 +46,11 @@ def test_retry_on_scarce_data_calibrates_again_next_step_until_one_runs(code):
                 continue
             steps.append(step)
             if step in (0, 1, 5):  # no data on these
-                clipper.update(_result(None, None, reason=f"{code}: nothing to read"), step)
+                clipper.update(fake_result(None, None, reason=f"{code}: nothing to read"), step)
             elif step == 2:
                 continue  # step 2 skipped by the trainer (no mixed group): the retry stays due
             else:
-                assert clipper.update(_result(0.7, 1.4), step)
+                assert clipper.update(fake_result(0.7, 1.4), step)
         return steps, clipper
 
     assert schedule(False)[0] == [0, 5, 10]  # the paper's schedule: data-less calibrations are lost
@@ -70,7 +60,7 @@ def test_retry_on_scarce_data_calibrates_again_next_step_until_one_runs(code):
     assert state["retry_from"] is None
     # a retry pending at a checkpoint survives it
     pending = CalibratedClipper(CalibrationConfig(period=5, retry_on_scarce_data=True), eps_low=0.2, eps_high=0.28)
-    pending.update(_result(None, None, reason=f"{code}: nothing"), step=5)
+    pending.update(fake_result(None, None, reason=f"{code}: nothing"), step=5)
     restored = CalibratedClipper(CalibrationConfig(period=5, retry_on_scarce_data=True), eps_low=0.2, eps_high=0.28)
     restored.load_state_dict(json.loads(json.dumps(pending.state_dict())))
     assert restored.is_calibration_step(6) and not restored.is_calibration_step(4)
@@ -78,7 +68,7 @@ def test_retry_on_scarce_data_calibrates_again_next_step_until_one_runs(code):
 
 def test_other_fallbacks_do_not_retry():
     clipper = CalibratedClipper(CalibrationConfig(period=5, retry_on_scarce_data=True), eps_low=0.2, eps_high=0.28)
-    clipper.update(_result(None, None, reason="upper_out_of_range: H* 30 is outside"), step=0)
+    clipper.update(fake_result(None, None, reason="upper_out_of_range: H* 30 is outside"), step=0)
     assert not clipper.is_calibration_step(1)
 
 
@@ -86,29 +76,29 @@ def test_ema_smoothing_linear_option_and_clamps():
     cfg = CalibrationConfig(period=1, ema_beta=0.75, smoothing="linear")
     clipper = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
     clipper.begin_step(0)
-    clipper.update(_result(0.8, 1.2), step=0)
+    clipper.update(fake_result(0.8, 1.2), step=0)
     assert clipper.begin_step(1) == (0.8, 1.2)
-    clipper.update(_result(0.4, 2.0), step=1)
+    clipper.update(fake_result(0.4, 2.0), step=1)
     lower, upper = clipper.begin_step(2)
     assert lower == pytest.approx(0.75 * 0.8 + 0.25 * 0.4, rel=1e-15)
     assert upper == pytest.approx(0.75 * 1.2 + 0.25 * 2.0, rel=1e-15)
     # the clamp to [0.05, 0.999] x [1.001, 20] is a safety net for finite bounds only
     fresh = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.2)
-    fresh.update(_result(math.exp(-4.0), 25.0), step=0)
+    fresh.update(fake_result(math.exp(-4.0), 25.0), step=0)
     assert fresh.begin_step(1) == (0.05, 20.0)
-    fresh.update(_result(0.99999, 1.0000001), step=1)
+    fresh.update(fake_result(0.99999, 1.0000001), step=1)
     assert fresh.begin_step(2) == pytest.approx((0.75 * 0.05 + 0.25 * 0.999, 0.75 * 20.0 + 0.25 * 1.001))
     assert fresh.metrics()["calib/lower_target"] == 0.999 and fresh.metrics()["calib/upper_target"] == 1.001
 
 
 def test_default_smoothing_is_in_log_space_and_an_infinite_bound_is_a_fallback():
     clipper = CalibratedClipper(CalibrationConfig(period=1, ema_beta=0.5), eps_low=0.2, eps_high=0.2)
-    clipper.update(_result(0.5, 2.0), step=0)
-    clipper.update(_result(0.8, 8.0), step=1)
+    clipper.update(fake_result(0.5, 2.0), step=0)
+    clipper.update(fake_result(0.8, 8.0), step=1)
     lower, upper = clipper.begin_step(2)
     assert lower == pytest.approx(math.sqrt(0.5 * 0.8), rel=1e-14)  # geometric, not (0.5 + 0.8) / 2
     assert upper == pytest.approx(4.0, rel=1e-14)  # sqrt(2 * 8); the linear mean would be 5
-    assert not clipper.update(_result(0.7, math.inf), step=2)  # never turned into the clamp (20)
+    assert not clipper.update(fake_result(0.7, math.inf), step=2)  # never turned into the clamp (20)
     assert clipper.last_reason.startswith("nonfinite_bound") and clipper.next_bounds == (lower, upper)
     assert clipper.metrics()["calib/fallback_reason"] == clipper.last_reason
 
@@ -161,7 +151,7 @@ def test_state_dict_round_trip_continues_identically():
     a.calibrate(*_tensors(batches[0]), step=0)
     a.begin_step(1)
     a.begin_step(2)
-    a.update(_result(None, None, reason="alpha_zero: test"), step=2)
+    a.update(fake_result(None, None, reason="alpha_zero: test"), step=2)
     a.calibrate(*_tensors(batches[1]), step=2)  # pending at save time
     state = json.loads(json.dumps(a.state_dict()))  # plain values only
     b = CalibratedClipper(cfg, eps_low=0.2, eps_high=0.28)

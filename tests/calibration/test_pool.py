@@ -1,39 +1,19 @@
 """pool_calibrations: a calibration solved on the merged histograms of the last m calibration
 steps. Checked against exact sorting of the union of those steps' tokens (tests/calibration/
 reference.py, no histogram code), on 1, 2 and 4 gloo ranks, through checkpoint state, and by
-what it is for: a small-batch L* with far less spread than one step's."""
+what it is for: a small-batch L* with far less spread than one step's (retries: test_retry.py)."""
 import json
 import math
 
 import numpy as np
 import pytest
-import torch
 
 from megatron_calibclip.calibration import CalibratedClipper, CalibrationConfig
+from tests.calibration.data import KEYS, small_step, step_tensors, union
 from tests.calibration.distutil import group_of
 from tests.calibration.reference import exact_lower, snapped_ok
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
-KEYS = ("lr8", "lr16", "adv", "mask")
-
-
-def small_step(seed: int, n: int = 400, shadow_std: float = 0.1, fp8_std: float = 0.2) -> dict[str, np.ndarray]:
-    """One small RL step: ~n/2 tokens with A < 0; the shadow clips ~1% of them (1-4 tokens),
-    FP8 adds noise of `fp8_std` in log r (the reproduction's regime)."""
-    rng = np.random.default_rng(seed)
-    lr16 = rng.normal(0.0, shadow_std, n)
-    return {"lr8": lr16 + rng.normal(0.0, fp8_std, n), "lr16": lr16,
-            "adv": np.where(rng.random(n) < 0.5, -1.0, 1.0) * rng.uniform(0.2, 1.5, n),
-            "mask": rng.random(n) > 0.05}
-
-
-def _tensors(step: dict[str, np.ndarray], sel=None) -> list[torch.Tensor]:
-    sel = np.ones(len(step["mask"]), bool) if sel is None else sel
-    return [torch.from_numpy(np.ascontiguousarray(step[k][sel])) for k in KEYS]
-
-
-def _union(steps: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {k: np.concatenate([s[k] for s in steps]) for k in KEYS}
 
 
 def _clipper(pool: int, **kw) -> CalibratedClipper:
@@ -47,9 +27,9 @@ def test_a_pooled_calibration_reads_the_union_of_the_last_m_steps():
     clipper, cfg = _clipper(3), CalibrationConfig()
     width = (cfg.log_ratio_max - cfg.log_ratio_min) / cfg.bins
     for i, step in enumerate(steps):
-        res = clipper.calibrate(*_tensors(step), step=i)
+        res = clipper.calibrate(*step_tensors(step), step=i)
         window = steps[max(0, i - 2):i + 1]
-        exact = exact_lower(*(_union(window)[k] for k in KEYS), EPS_LOW, EPS_HIGH)
+        exact = exact_lower(*(union(window)[k] for k in KEYS), EPS_LOW, EPS_HIGH)
         assert res.ok, res.reason
         assert res.pooled_calibrations == len(window)
         assert (res.n_neg, res.n_pos, res.n_neg_clipped_shadow) == (exact.n_neg, exact.n_pos, exact.k)
@@ -66,8 +46,8 @@ def test_a_pool_of_one_is_the_unpooled_calibration():
     step = small_step(7)
     pooled, plain = _clipper(1), _clipper(1)
     acc = plain.new_accumulator()
-    acc.add(*_tensors(step))
-    assert pooled.calibrate(*_tensors(step), step=0) == acc.compute()
+    acc.add(*step_tensors(step))
+    assert pooled.calibrate(*step_tensors(step), step=0) == acc.compute()
     assert pooled.state_dict()["pool"] == []
 
 
@@ -78,8 +58,8 @@ def test_pooling_lets_the_count_guard_pass_at_small_batch():
     assert max(ks) < guard
     alone, pooled = _clipper(1, min_clipped_tokens=guard), _clipper(3, min_clipped_tokens=guard)
     for i, step in enumerate(steps):
-        single = alone.calibrate(*_tensors(step), step=i)
-        together = pooled.calibrate(*_tensors(step), step=i)
+        single = alone.calibrate(*step_tensors(step), step=i)
+        together = pooled.calibrate(*step_tensors(step), step=i)
         assert single.reason_code == "too_few_clipped_negative"
         assert together.ok == (i == 2), together.reason
     assert pooled.next_bounds[0] == pytest.approx(together.lower)
@@ -89,11 +69,11 @@ def test_a_step_with_a_nonfinite_token_falls_back_and_is_not_pooled():
     good, bad, last = small_step(1), small_step(2), small_step(3)
     bad["lr8"][np.flatnonzero(bad["mask"])[0]] = np.nan
     clipper = _clipper(3)
-    assert clipper.calibrate(*_tensors(good), step=0).ok
-    assert clipper.calibrate(*_tensors(bad), step=1).reason_code == "nonfinite_ratio"
-    res = clipper.calibrate(*_tensors(last), step=2)
+    assert clipper.calibrate(*step_tensors(good), step=0).ok
+    assert clipper.calibrate(*step_tensors(bad), step=1).reason_code == "nonfinite_ratio"
+    res = clipper.calibrate(*step_tensors(last), step=2)
     assert res.ok and res.pooled_calibrations == 2  # `bad` was left out of the pool
-    assert res.n_neg == exact_lower(*(_union([good, last])[k] for k in KEYS), EPS_LOW, EPS_HIGH).n_neg
+    assert res.n_neg == exact_lower(*(union([good, last])[k] for k in KEYS), EPS_LOW, EPS_HIGH).n_neg
 
 
 def test_a_step_without_negative_tokens_takes_no_slot_in_the_pool():
@@ -101,34 +81,34 @@ def test_a_step_without_negative_tokens_takes_no_slot_in_the_pool():
     empty = small_step(2)
     empty["adv"] = np.abs(empty["adv"])  # every group right (or wrong) alike: no A < 0 token
     clipper = _clipper(2)
-    clipper.calibrate(*_tensors(first), step=0)
+    clipper.calibrate(*step_tensors(first), step=0)
     # its own guard decides (re-solving the pool alone would feed the EMA the same target twice)
-    alone = clipper.calibrate(*_tensors(empty), step=1)
+    alone = clipper.calibrate(*step_tensors(empty), step=1)
     assert alone.reason_code == "no_negative_tokens" and alone.pooled_calibrations == 1
-    res = clipper.calibrate(*_tensors(last), step=2)
+    res = clipper.calibrate(*step_tensors(last), step=2)
     assert res.pooled_calibrations == 2  # `first` is still in the pool of 2
-    assert res.n_neg == exact_lower(*(_union([first, last])[k] for k in KEYS), EPS_LOW, EPS_HIGH).n_neg
+    assert res.n_neg == exact_lower(*(union([first, last])[k] for k in KEYS), EPS_LOW, EPS_HIGH).n_neg
 
 
 def test_the_pool_survives_a_checkpoint_as_plain_values():
     steps = [small_step(seed) for seed in (4, 5, 6)]
     a = _clipper(3)
     for i, step in enumerate(steps[:2]):
-        a.calibrate(*_tensors(step), step=i)
+        a.calibrate(*step_tensors(step), step=i)
     state = json.loads(json.dumps(a.state_dict()))  # plain values: JSON round trip
     b = _clipper(3)
     b.load_state_dict(state)
-    assert a.calibrate(*_tensors(steps[2]), step=2) == b.calibrate(*_tensors(steps[2]), step=2)
+    assert a.calibrate(*step_tensors(steps[2]), step=2) == b.calibrate(*step_tensors(steps[2]), step=2)
     assert a.state_dict() == b.state_dict()
     # a state saved before pooling existed (no "pool") loads with an empty pool
     old = {k: v for k, v in state.items() if k != "pool"}
     c = _clipper(3)
     c.load_state_dict(old)
-    assert c.calibrate(*_tensors(steps[2]), step=2).pooled_calibrations == 1
+    assert c.calibrate(*step_tensors(steps[2]), step=2).pooled_calibrations == 1
     # a pool saved on another histogram grid is not pooled with this one's
     e = _clipper(3, bins=8192)
     e.load_state_dict(state)
-    assert e.state_dict()["pool"] == [] and e.calibrate(*_tensors(steps[2]), step=2).pooled_calibrations == 1
+    assert e.state_dict()["pool"] == [] and e.calibrate(*step_tensors(steps[2]), step=2).pooled_calibrations == 1
     # a smaller pool keeps the newest entries only
     d = _clipper(2)
     d.load_state_dict(state)
@@ -147,7 +127,7 @@ def _rank_pooled(rank, world_size, steps, owners):
     for size in (1, 2, 4):
         group, index = group_of(size)
         clipper = _clipper(3)
-        results = [clipper.calibrate(*_tensors(step, owner[size] == index), step=i, group=group)
+        results = [clipper.calibrate(*step_tensors(step, owner[size] == index), step=i, group=group)
                    for i, (step, owner) in enumerate(zip(steps, owners))]
         out.append([dict(r.__dict__) for r in results])
     return out
@@ -182,7 +162,7 @@ def test_pooling_shrinks_the_spread_of_a_small_batch_lower_bound():
     for m in errors:
         clipper = _clipper(m)
         for i in range(100 + 3):
-            res = clipper.calibrate(*_tensors(small_step(100 + i)), step=i)
+            res = clipper.calibrate(*step_tensors(small_step(100 + i)), step=i)
             if i < 3:  # every window full from here on
                 continue
             if res.ok:

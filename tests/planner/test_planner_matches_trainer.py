@@ -48,8 +48,8 @@ def _measure(rank, world_size, cfg_dict):
 
     out = {}
 
-    def spy(c, step):
-        metrics = real_step(c, step)
+    def spy(c, step, **kw):
+        metrics = real_step(c, step, **kw)
         model_params = {id(p) for p in c.policy.parameters()}
         opt, states = c.optimizer, 0
         for inner in getattr(opt, "chained_optimizers", [opt]):

@@ -34,6 +34,11 @@ BAD_OVERRIDES = {
     "data.template=no-placeholder": ["data.template", "{prompt}"],
     "algorithm.overlong_cache_length=5": ["algorithm.overlong_cache_length", "5"],
     "run.foo=1": ["run", "foo", "allowed keys"],
+    "evaluation.precision=fp16": ["evaluation.precision", "fp16", "rollout", "bf16"],
+    "samples.every=-1": ["samples.every", "-1", ">= 0"],
+    "samples.count=0": ["samples.count", "0", ">= 1"],
+    "clipping.calibration.upper_rule=l_only": ["upper_rule", "l_only", "host"],
+    "clipping.calibration.retry_steps=20": ["retry_steps", "20", "period - 1"],
 }
 
 

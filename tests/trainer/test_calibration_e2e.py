@@ -44,9 +44,9 @@ def _body(rank, world_size, cfg_dict):
         seen.setdefault(current[0], set()).add((clip_low, clip_high))
         return real_loss(*args, clip_low=clip_low, clip_high=clip_high, **kwargs)
 
-    def step_spy(c, step):
+    def step_spy(c, step, **kw):
         current[0] = step
-        return real_step(c, step)
+        return real_step(c, step, **kw)
 
     step_mod.policy_loss, loop.train_step = loss_spy, step_spy
     try:

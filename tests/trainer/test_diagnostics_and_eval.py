@@ -1,6 +1,6 @@
 """Measurements that must never change training: BF16 shadow diagnostics on every step
-(diagnostics.shadow_every) and held-out greedy evaluation (evaluation.every), through the
-real trainer at DP=2."""
+(diagnostics.shadow_every), held-out greedy evaluation (evaluation.every) and response samples
+(samples.every), through the real trainer at DP=2."""
 from __future__ import annotations
 
 import pytest
@@ -26,8 +26,8 @@ def _train(rank, world_size, cfg_dict):
     params = {}
     real = loop.train_step
 
-    def spy(c, step):
-        out = real(c, step)
+    def spy(c, step, **kw):
+        out = real(c, step, **kw)
         params["p"] = [p.detach().clone() for p in c.policy.parameters()]
         params["heldout"] = [p.text for p in c.heldout]
         params["train"] = {p.record.prompt for p in c.dataset.items}
@@ -49,13 +49,15 @@ def _training_numbers(record):
 
 
 def test_shadow_diagnostics_and_evaluation_leave_training_unchanged(dist_pool, tmp_path):
-    plain = merge(CFG, {"run": {"name": "plain", "output_dir": str(tmp_path)}})
+    plain = merge(CFG, {"run": {"name": "plain", "output_dir": str(tmp_path)}, "samples": {"every": 0}})
     measured = merge(CFG, {"run": {"name": "measured", "output_dir": str(tmp_path)},
                            "diagnostics": {"shadow_every": 1},
                            "evaluation": {"every": 2, "size": 24}})
     (base, base_p), _ = dist_pool(2).run(_train, plain, timeout=600)
     (meas, meas_p), (meas1, _) = dist_pool(2).run(_train, measured, timeout=600)
-    # training is bit-identical with the measurements on
+    # training is bit-identical with the measurements on (response samples too: default 4 per step)
+    assert not (tmp_path / "plain" / "samples.jsonl").exists()
+    assert (tmp_path / "measured" / "samples.jsonl").read_text().count("\n") == 4 * 3
     assert [_training_numbers(r) for r in base] == [_training_numbers(r) for r in meas]
     assert all(torch.equal(a, b) for a, b in zip(base_p["p"], meas_p["p"]))
     # the shadow counterfactual on every step, also with fixed clipping

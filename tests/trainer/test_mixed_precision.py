@@ -44,10 +44,10 @@ def _train(rank, world_size, cfg_dict):
         seen["built"] = {n: p.detach().clone() for n, p in c.policy.named_parameters()}
         return c
 
-    def spy(c, step):
+    def spy(c, step, **kw):
         if step == 0:  # after the supervised warm-up
             seen["initial"] = masters(c)
-        out = real_step(c, step)
+        out = real_step(c, step, **kw)
         seen["params"] = {n: p.detach().clone() for n, p in c.policy.named_parameters()}
         seen["masters"] = masters(c)
         seen["reference_dtypes"] = {p.dtype for p in c.reference.parameters()}
@@ -88,6 +88,8 @@ def test_bf16_params_match_the_fp32_flow(dist_pool, tmp_path):
 
     for name, dtype in (("fp32", "fp32"), ("bf16", "bf16"), ("bf16-distopt", "bf16")):
         resolved = yaml.safe_load((tmp_path / name / "resolved.yaml").read_text())
+        code = {k: resolved.pop(k) for k in ("code.commit", "code.dirty")}  # the checkout's git state
+        assert code["code.dirty"] in ("true", "false", "unknown")
         assert resolved == {"device": "cpu", "params_dtype": dtype, "fp8.backend": "emulated",
                             "rollout.fp8.backend": "emulated"}
     assert {p.dtype for p in b_seen["params"].values()} == {torch.bfloat16}
