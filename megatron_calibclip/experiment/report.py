@@ -74,7 +74,9 @@ def heldout(records: list[dict]) -> list[tuple[float, float]]:
 
 
 def arm_summary(records: list[dict], window: int = WINDOW) -> dict[str, Optional[float]]:
-    """First/last-`window`-step means of the key series, peak entropy, held-out accuracy."""
+    """First/last-`window`-step means of the key series, peak entropy after the first `window`
+    steps (entropy starts at its maximum, so a peak over all steps would always read step 0),
+    held-out accuracy."""
     out: dict[str, Optional[float]] = {"steps": float(len(records))}
     steps = [r["step"] for r in records]
     first_end, last_start = min(steps, default=0) + window, max(steps, default=0) - window
@@ -85,7 +87,7 @@ def arm_summary(records: list[dict], window: int = WINDOW) -> dict[str, Optional
         series = _values(records, key)  # by step: the first / last `window` steps, not values
         out[f"{name}_first"] = _mean([p for p in series if p[0] < first_end])
         out[f"{name}_last"] = _mean([p for p in series if p[0] > last_start])
-    ent = _values(records, "loss/entropy_mean")
+    ent = [p for p in _values(records, "loss/entropy_mean") if p[0] >= first_end]
     peak = max(ent, key=lambda p: p[1]) if ent else None
     out["entropy_peak"], out["entropy_peak_step"] = (peak[1], float(peak[0])) if peak else (None, None)
     points = heldout(records)
@@ -101,8 +103,8 @@ def _fmt(v: Optional[float], digits: int = 3) -> str:
 
 def summary_table(arms: dict[str, list[dict]], window: int = WINDOW) -> str:
     """Markdown: one row per arm (first -> last `window`-step means)."""
-    head = ("| arm | steps | reward | entropy | peak entropy (step) | clipped A<0 | phantom A<0 "
-            "| mult. prob. error | KL to ref | held-out acc. start -> end |")
+    head = (f"| arm | steps | reward | entropy | peak entropy, steps {window}+ (step) "
+            "| clipped A<0 | phantom A<0 | mult. prob. error | KL to ref | held-out acc. start -> end |")
     rows = [head, "|" + "---|" * 10]
     for arm, records in arms.items():
         s = arm_summary(records, window)
