@@ -54,7 +54,8 @@ def _q2(iv: dict) -> str:
 
 
 def _q3(iv: dict) -> str:
-    l_only, h_on_top = iv[("fp8-calibrated-l-only", "fp8-tis")], iv[("fp8-calibrated", "fp8-calibrated-l-only")]
+    l_only = iv[("fp8-calibrated-l-only", "fp8-tis")]
+    h_on_top = iv[("fp8-calibrated", "fp8-calibrated-l-only")]
     s_l, s_h = sign(l_only), sign(h_on_top)
     if s_l > 0 and s_h == 0:
         head = "the calibrated L: L-only is above FP8 + TIS, the wider H adds nothing measurable"

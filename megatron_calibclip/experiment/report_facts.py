@@ -58,7 +58,11 @@ def facts_table(arms: dict[str, list[dict]]) -> str:
         peak = max(ent, key=lambda p: p[1]) if ent else None
         ran, ok = calibration_steps(recs)
         stretch = longest_stretch(ran)
-        n_ok = len([s for s in ok if stretch and stretch[0] <= s <= stretch[1]])
+        run = "none"
+        if stretch:
+            n_ok = len([s for s in ok if stretch[0] <= s <= stretch[1]])
+            run = (f"{stretch[0]}-{stretch[1]}: {stretch[1] - stretch[0] + 1} steps, "
+                   f"{n_ok} without fallback")
         rows.append(
             f"| {arm} | {len(recs)} | {_fmt(_between(recs, 'loss/phantom_clipfrac', 0, WINDOW))} "
             f"| {_fmt(_between(recs, 'loss/phantom_clipfrac', WINDOW, end))} "
@@ -66,7 +70,7 @@ def facts_table(arms: dict[str, list[dict]]) -> str:
             f"| {_fmt(_between(recs, 'response_length_mean', WINDOW, end), 1)} "
             f"| {f'{peak[1]:.3f} ({peak[0]})' if peak else 'n/a'} "
             f"| {f'{len(ran)} ({len(ok)})' if ran else 'none'} "
-            f"| {f'{stretch[0]}-{stretch[1]}: {stretch[1] - stretch[0] + 1} steps, {n_ok} without fallback' if stretch else 'none'} |")
+            f"| {run} |")
     return "\n".join(rows) + "\n\n" + facts_summary(arms, end)
 
 
@@ -76,7 +80,8 @@ def facts_summary(arms: dict[str, list[dict]], end: int) -> str:
     text = (f"First round: {len(arms)} arms ({', '.join(arms)}), "
             f"{' or '.join(map(str, steps))} steps each, one seed. Rates over A<0 tokens average "
             f"only the steps that had some.")
-    fp8 = {a: (_between(r, "loss/phantom_clipfrac", 0, WINDOW), _between(r, "loss/phantom_clipfrac", WINDOW, end))
+    key = "loss/phantom_clipfrac"
+    fp8 = {a: (_between(r, key, 0, WINDOW), _between(r, key, WINDOW, end))
            for a, r in arms.items() if a.startswith("fp8")}
     early = [e for e, _ in fp8.values() if e is not None]
     late = [v for _, v in fp8.values() if v is not None]

@@ -78,9 +78,10 @@ def _offset_errorbars(ax, arms: list[str], colors: dict, points: dict, spread: f
         shift = (i - (len(arms) - 1) / 2) * spread
         vals = [points[arm][x] for x in xs]
         means = [sum(v) / len(v) for v in vals]
-        ax.errorbar([x + shift for x in xs], means,
-                    yerr=[[m - min(v) for m, v in zip(means, vals)], [max(v) - m for m, v in zip(means, vals)]],
-                    fmt="o-", color=colors[arm], ms=4, lw=1.2, capsize=2)
+        below = [m - min(v) for m, v in zip(means, vals)]
+        above = [max(v) - m for m, v in zip(means, vals)]
+        ax.errorbar([x + shift for x in xs], means, yerr=[below, above], fmt="o-",
+                    color=colors[arm], ms=4, lw=1.2, capsize=2)
 
 
 def _heldout_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:

@@ -24,7 +24,8 @@ def parse_steps(text: str) -> list[int]:
     try:
         steps = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise SamplesError(f"--samples-at takes steps separated by commas (e.g. 0,50,99), got {text!r}") from None
+        raise SamplesError(f"--samples-at takes steps separated by commas (e.g. 0,50,99), "
+                           f"got {text!r}") from None
     if not steps or min(steps) < 0:
         raise SamplesError(f"--samples-at takes steps >= 0 separated by commas, got {text!r}")
     return sorted(set(steps))

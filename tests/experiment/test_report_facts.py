@@ -9,8 +9,10 @@ def _arm(phantom_early, phantom_late, calib=()):
     recs = []
     for s in range(100):
         neg = 0.0 if s % 5 == 4 else 100.0
-        r = {"step": s, "neg_tokens": neg, "loss/entropy_mean": 3.0 if s == 0 else 0.1 + (0.4 if s == 87 else 0.0),
-             "loss/phantom_clipfrac": 0.0 if not neg else (phantom_early if s < 20 else phantom_late + 0.001 * (s % 3)),
+        phantom = phantom_early if s < 20 else phantom_late + 0.001 * (s % 3)
+        r = {"step": s, "neg_tokens": neg,
+             "loss/entropy_mean": 3.0 if s == 0 else 0.1 + (0.4 if s == 87 else 0.0),
+             "loss/phantom_clipfrac": phantom if neg else 0.0,
              "eos_fraction": 0.0 if s >= 20 else 1.0, "response_length_mean": 16.0 if s >= 20 else 9.0}
         recs.append(r)
     for s, ok in calib:
@@ -39,8 +41,8 @@ def test_facts_table_matches_hand_means():
         assert rows[arm][4:7] == ["0.000-0.000", "16.0", "0.500 (87)"]  # step 0's 3.0 is not the peak
     assert rows["fp8-a"][7:] == ["7 (2)", "40-45: 6 steps, 1 without fallback |"]
     assert rows["bf16"][7:] == ["none", "none |"]
-    lates = [statistics.fmean(r["loss/phantom_clipfrac"] for r in arms[a] if r["step"] >= 20 and r["neg_tokens"])
-             for a in ("fp8-a", "fp8-b")]
+    lates = [statistics.fmean(r["loss/phantom_clipfrac"] for r in arms[a]
+                              if r["step"] >= 20 and r["neg_tokens"]) for a in ("fp8-a", "fp8-b")]
     assert (f"Phantom clips in the FP8 arms (fp8-a, fp8-b): 1.2%-10.0% of A<0 tokens in steps 0-19, "
             f"{min(lates):.1%}-{max(lates):.1%} in steps 20-99.") in text
     assert "fp8-a: 7 calibration steps (10, 40-45), 2 without fallback (10, 45)." in text

@@ -14,6 +14,11 @@ from .seed_runs import write_run, write_seeds
 from .test_report_stats import hand_interval
 
 
+def _diff(folder, quantity, arm, base, seeds):
+    """{seed: quantity(arm) - quantity(base)} from the written metrics."""
+    return {s: quantity(_read(folder, s, arm)) - quantity(_read(folder, s, base)) for s in seeds}
+
+
 def _read(folder, seed, arm):
     path = folder / f"seed-{seed}" / arm / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -66,8 +71,7 @@ def test_runs_left_out_are_named_with_their_reason(seed_folder):
 
 def test_paired_differences_and_intervals_match_a_hand_computation(seed_folder):
     seeds = load_seeds(seed_folder)
-    per_seed = {s: _last20_reward(_read(seed_folder, s, "fp8-tis")) - _last20_reward(_read(seed_folder, s, "bf16"))
-                for s in (1, 2, 3)}
+    per_seed = _diff(seed_folder, _last20_reward, "fp8-tis", "bf16", (1, 2, 3))
     diffs, iv = pair_intervals(seeds, "reward_last")[("fp8-tis", "bf16")]
     assert diffs == pytest.approx(per_seed)
     m, lo, hi = hand_interval(list(per_seed.values()))
@@ -79,8 +83,7 @@ def test_paired_differences_and_intervals_match_a_hand_computation(seed_folder):
     assert diffs[1] == pytest.approx(_phantom_late(_read(seed_folder, 1, "fp8-calibrated"))
                                      - _phantom_late(_read(seed_folder, 1, "fp8-calibrated-l-only")))
     assert iv.low is None
-    held = [_heldout(_read(seed_folder, s, "fp8-calibrated-l-only")) - _heldout(_read(seed_folder, s, "fp8-tis"))
-            for s in (1, 2)]
+    held = list(_diff(seed_folder, _heldout, "fp8-calibrated-l-only", "fp8-tis", (1, 2)).values())
     diffs, iv = pair_intervals(seeds, "heldout")[("fp8-calibrated-l-only", "fp8-tis")]
     assert list(diffs.values()) == pytest.approx(held)
     row = [line for line in paired_table(seeds).splitlines() if line.startswith("| training reward")][0]
@@ -92,25 +95,25 @@ def test_answers_follow_the_intervals(seed_folder):
     seeds = load_seeds(seed_folder)
     text = answers(seeds)
     q1, q2, q3 = text.splitlines()
-    tis = [_last20_reward(_read(seed_folder, s, "fp8-tis")) - _last20_reward(_read(seed_folder, s, "bf16"))
-           for s in (1, 2, 3)]
+    tis = list(_diff(seed_folder, _last20_reward, "fp8-tis", "bf16", (1, 2, 3)).values())
     _, lo, hi = hand_interval(tis)
     assert hi < 0  # the synthetic FP8 + TIS arm is 0.2 below BF16 in every seed
     assert "on training reward, last 20 steps: yes, FP8 + TIS falls behind BF16" in q1
     assert f"[{lo:+.3f}, {hi:+.3f}] over 3 seeds: interval excludes 0" in q1
-    cal = [_last20_reward(_read(seed_folder, s, "fp8-calibrated")) - _last20_reward(_read(seed_folder, s, "fp8-tis"))
-           for s in (1, 3)]
+    cal = list(_diff(seed_folder, _last20_reward, "fp8-calibrated", "fp8-tis", (1, 3)).values())
     _, lo, hi = hand_interval(cal)
     verdict = "excludes 0" if lo > 0 or hi < 0 else "includes 0: cannot tell"
-    assert f"fp8-calibrated - fp8-tis {statistics.fmean(cal):+.3f} [{lo:+.3f}, {hi:+.3f}] over 2 seeds: interval {verdict}" in q2
+    assert (f"fp8-calibrated - fp8-tis {statistics.fmean(cal):+.3f} [{lo:+.3f}, {hi:+.3f}] over 2 "
+            f"seeds: interval {verdict}") in q2
     # one paired seed for the full method against L-only: no interval, cannot tell
     assert "fp8-calibrated - fp8-calibrated-l-only" in q3 and "(1 seed: no interval): cannot tell" in q3
 
 
 def _doc(tmp_path):
     doc = tmp_path / "doc.md"
-    doc.write_text("# Doc\n" + "".join(f"<!-- {n}:begin -->\nSTALE TEXT\n<!-- {n}:end -->\ntext {n}\n" for n in (
-        "reproduction-table", "reproduction-facts", "reproduction-seeds", "reproduction-samples")))
+    names = ("reproduction-table", "reproduction-facts", "reproduction-seeds", "reproduction-samples")
+    doc.write_text("# Doc\n" + "".join(f"<!-- {n}:begin -->\nSTALE TEXT\n<!-- {n}:end -->\ntext {n}\n"
+                                       for n in names))
     return doc
 
 
@@ -144,11 +147,12 @@ def test_samples_of_chosen_steps(seed_folder, tmp_path, capsys):
     doc = _doc(tmp_path)
     assert _report(seed_folder, tmp_path, "--samples-at", "50", "--samples-per-arm", "1",
                    "--samples-seed", "3") == 0
-    section = doc.read_text().split("<!-- reproduction-samples:begin -->")[1].split("<!-- reproduction-samples:end -->")[0]
+    section = doc.read_text().split("<!-- reproduction-samples:begin -->")[1].split("-samples:end")[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| arm")]
     sample = json.loads((seed_folder / "seed-3" / "bf16" / "samples.jsonl").read_text().splitlines()[150])
     assert sample["step"] == 50
-    assert [r.split(" | ")[0] for r in rows] == ["| bf16", "| fp8-tis", "| fp8-calibrated"]  # L-only not used in seed 3
+    # the L-only arm of seed 3 is still running: not used, so not shown
+    assert [r.split(" | ")[0] for r in rows] == ["| bf16", "| fp8-tis", "| fp8-calibrated"]
     assert rows[0].endswith(sample["response"].replace("|", "\\|") + " |")
     assert f"| {sample['reward']:.3f} | {sample['advantage']:+.3f} | yes |" in rows[0]
     assert "**Step 50** (seed 3; the first 1 sample(s) of the step per arm)" in capsys.readouterr().out
