@@ -29,7 +29,7 @@ def _cmd_survey(args: argparse.Namespace) -> int:
 
 
 def add_experiment_parser(sub) -> None:
-    from megatron_calibclip.experiment.report import run_report
+    from megatron_calibclip.experiment.report_run import run_report
     from megatron_calibclip.experiment.reproduce import run_reproduce
 
     p = sub.add_parser("experiment", help="the reproduction experiment: survey, run, report")
@@ -57,11 +57,16 @@ def add_experiment_parser(sub) -> None:
     r.add_argument("--keep-going", action="store_true", help="run the next arm after a failure")
     r.set_defaults(func=run_reproduce)
 
-    g = esub.add_parser("report", help="figure and table from the committed metrics")
+    g = esub.add_parser("report", help="figures and tables from the committed metrics")
     g.add_argument("--experiment", default=DEFAULT_EXPERIMENT, help="experiment YAML")
-    g.add_argument("--metrics-dir", help="folder of <arm>/metrics.jsonl "
+    g.add_argument("--metrics-dir", help="folder of <arm>/metrics.jsonl and seed-<n>/<arm>/ "
                                          "(default: the experiment file's folder)")
-    g.add_argument("--figure", default="docs/figures/reproduction.png", help="PNG to write")
+    g.add_argument("--figure", default="docs/figures/reproduction.png",
+                   help="PNG to write (paired seeds: <name>-seeds.png beside it)")
     g.add_argument("--doc", default="docs/reproduction.md",
-                   help="markdown whose table markers receive the table ('' to skip)")
+                   help="markdown whose section markers receive the tables ('' to skip)")
+    g.add_argument("--samples-at", metavar="STEPS",
+                   help="response samples of these steps, e.g. 0,50,99 (default: first, middle, last)")
+    g.add_argument("--samples-per-arm", type=int, default=2, help="samples shown per step and arm")
+    g.add_argument("--samples-seed", type=int, help="seed whose samples are shown (default: lowest)")
     g.set_defaults(func=run_report)

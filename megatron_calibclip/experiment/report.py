@@ -1,21 +1,23 @@
-"""`calibclip experiment report`: the arms overlaid in one figure, and tables of the arms
-(first/last means, 10-step windows side by side, held-out accuracy).
+"""The first round of `calibclip experiment report`: the arms overlaid in one figure, and
+tables of the arms (first/last means, 10-step windows side by side, held-out accuracy);
+also the document's generated sections (`write_section`) and the series helpers the second
+round (report_seeds) reuses.
 
 Reads only the committed `<arm>/metrics.jsonl` files, so the figure and the table regenerate
-anywhere with one command. The table goes between two marker lines of the document
-(`--doc`), leaving the hand-written reading around it untouched.
+anywhere with one command. Each table goes between two marker lines of the document
+(`--doc`), leaving the hand-written reading around it untouched. The command itself is
+report_run.run_report.
 """
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from pathlib import Path
 from typing import Optional
 
 from megatron_calibclip.trainer.metrics import read_metrics
 
-BEGIN, END = "<!-- reproduction-table:begin -->", "<!-- reproduction-table:end -->"
+TABLE_SECTION = "reproduction-table"  # the first round's tables in the document
+BEGIN, END = f"<!-- {TABLE_SECTION}:begin -->", f"<!-- {TABLE_SECTION}:end -->"
 WINDOW = 20  # first / last steps averaged in the table
 SMOOTH = 5  # rolling mean drawn over the raw per-step values
 
@@ -31,9 +33,12 @@ PANELS = [  # (title, [(key, label suffix)], y-label)
 
 
 def load_arms(folder: Path) -> dict[str, list[dict]]:
-    """{arm: records} for every <folder>/<arm>/metrics.jsonl, in name order."""
+    """{arm: records} for every <folder>/<arm>/metrics.jsonl, in name order (the first round;
+    the second round's seed-<n>/ folders are read by report_seeds)."""
     arms = {}
     for path in sorted(Path(folder).glob("*/metrics.jsonl")):
+        if path.parent.name.startswith("seed-"):
+            continue
         records = [r for r in read_metrics(path) if "step" in r]
         if records:
             arms[path.parent.name] = sorted(records, key=lambda r: r["step"])
@@ -54,13 +59,15 @@ def has_negative_tokens(record: dict) -> bool:
     return record.get("loss/pg_loss_token_mean") != 0.0
 
 
-def _values(records: list[dict], key: str) -> list[tuple[int, float]]:
+def values_by_step(records: list[dict], key: str) -> list[tuple[int, float]]:
+    """(step, value) of the finite values of `key`; rates over A<0 tokens only where some."""
     return [(r["step"], float(r[key])) for r in records
             if isinstance(r.get(key), (int, float)) and math.isfinite(float(r[key]))
             and (key not in NEG_RATES or has_negative_tokens(r))]
 
 
-def _mean(pairs: list[tuple[int, float]]) -> Optional[float]:
+def mean_of(pairs: list[tuple[int, float]]) -> Optional[float]:
+    """Mean of the values of (step, value) pairs; None for none."""
     return sum(v for _, v in pairs) / len(pairs) if pairs else None
 
 
@@ -74,7 +81,9 @@ def heldout(records: list[dict]) -> list[tuple[float, float]]:
 
 
 def arm_summary(records: list[dict], window: int = WINDOW) -> dict[str, Optional[float]]:
-    """First/last-`window`-step means of the key series, peak entropy, held-out accuracy."""
+    """First/last-`window`-step means of the key series, peak entropy after the first `window`
+    steps (entropy starts at its maximum, so a peak over all steps would always read step 0),
+    held-out accuracy."""
     out: dict[str, Optional[float]] = {"steps": float(len(records))}
     steps = [r["step"] for r in records]
     first_end, last_start = min(steps, default=0) + window, max(steps, default=0) - window
@@ -82,10 +91,10 @@ def arm_summary(records: list[dict], window: int = WINDOW) -> dict[str, Optional
                       ("loss/clipfrac_lower", "clip_neg"), ("loss/phantom_clipfrac", "phantom"),
                       ("loss/mult_prob_error", "mult_err"), ("loss/kl_mean", "kl"),
                       ("response_length_mean", "length")):
-        series = _values(records, key)  # by step: the first / last `window` steps, not values
-        out[f"{name}_first"] = _mean([p for p in series if p[0] < first_end])
-        out[f"{name}_last"] = _mean([p for p in series if p[0] > last_start])
-    ent = _values(records, "loss/entropy_mean")
+        series = values_by_step(records, key)  # by step: the first / last `window` steps, not values
+        out[f"{name}_first"] = mean_of([p for p in series if p[0] < first_end])
+        out[f"{name}_last"] = mean_of([p for p in series if p[0] > last_start])
+    ent = [p for p in values_by_step(records, "loss/entropy_mean") if p[0] >= first_end]
     peak = max(ent, key=lambda p: p[1]) if ent else None
     out["entropy_peak"], out["entropy_peak_step"] = (peak[1], float(peak[0])) if peak else (None, None)
     points = heldout(records)
@@ -95,14 +104,25 @@ def arm_summary(records: list[dict], window: int = WINDOW) -> dict[str, Optional
     return out
 
 
+def ranges(values: list[int]) -> str:
+    """'0-99' or '1-3, 5' for sorted integers."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        start = v if start is None else start
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(str(v) if start == v else f"{start}-{v}")
+            start = None
+    return ", ".join(out) or "none"
+
+
 def _fmt(v: Optional[float], digits: int = 3) -> str:
     return "n/a" if v is None else f"{v:.{digits}f}"
 
 
 def summary_table(arms: dict[str, list[dict]], window: int = WINDOW) -> str:
     """Markdown: one row per arm (first -> last `window`-step means)."""
-    head = ("| arm | steps | reward | entropy | peak entropy (step) | clipped A<0 | phantom A<0 "
-            "| mult. prob. error | KL to ref | held-out acc. start -> end |")
+    head = (f"| arm | steps | reward | entropy | peak entropy, steps {window}+ (step) "
+            "| clipped A<0 | phantom A<0 | mult. prob. error | KL to ref | held-out acc. start -> end |")
     rows = [head, "|" + "---|" * 10]
     for arm, records in arms.items():
         s = arm_summary(records, window)
@@ -136,8 +156,8 @@ def window_means(records: list[dict], key: str, width: int = STEP_WINDOW
                  ) -> dict[int, Optional[float]]:
     """{first step of the window: mean of `key` over the window's finite values}."""
     last = max((r["step"] for r in records), default=-1)
-    series = _values(records, key)
-    return {start: _mean([p for p in series if start <= p[0] < start + width])
+    series = values_by_step(records, key)
+    return {start: mean_of([p for p in series if start <= p[0] < start + width])
             for start in range(0, last + 1, width)}
 
 
@@ -185,7 +205,8 @@ def report_tables(arms: dict[str, list[dict]]) -> str:
     return "\n\n".join((summary_table(arms), window_table(arms), heldout_table(arms)))
 
 
-def _rolling(ys: list[float], n: int) -> list[float]:
+def rolling_mean(ys: list[float], n: int) -> list[float]:
+    """Mean of each value and the up to n - 1 before it (the curves' smoothing)."""
     return [sum(ys[max(0, i - n + 1): i + 1]) / len(ys[max(0, i - n + 1): i + 1])
             for i in range(len(ys))]
 
@@ -208,13 +229,13 @@ def plot_arms(arms: dict[str, list[dict]], out_png: Path, title: str = "") -> Pa
                     ax.plot(*zip(*pts), marker="o", color=color, label=arm)
                 continue
             for key, suffix in keys:
-                pts = _values(records, key)
+                pts = values_by_step(records, key)
                 if not pts:
                     continue
                 xs, ys = zip(*pts)
                 style = "--" if suffix.strip() == "H" else "-"
                 ax.plot(xs, ys, style, color=color, alpha=0.25, lw=0.8)
-                ax.plot(xs, _rolling(list(ys), SMOOTH), style, color=color, lw=1.8,
+                ax.plot(xs, rolling_mean(list(ys), SMOOTH), style, color=color, lw=1.8,
                         label=f"{arm}{suffix}")
         ax.set_title(panel_title)
         ax.set_ylabel(ylabel)
@@ -232,33 +253,26 @@ def plot_arms(arms: dict[str, list[dict]], out_png: Path, title: str = "") -> Pa
     return out_png
 
 
-def write_table(doc: Path, table: str) -> bool:
-    """Replace the text between the marker lines of `doc`; False if the markers are absent."""
-    text = doc.read_text(encoding="utf-8")
-    if BEGIN not in text or END not in text or text.index(BEGIN) > text.index(END):
+def markers(name: str) -> tuple[str, str]:
+    """The begin / end marker lines of a generated section of the document."""
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def write_section(doc: Path, name: str, text: str) -> bool:
+    """Replace the text between the `name` markers of `doc`; False if the markers are absent.
+    The document is rewritten only when the text changed (a second run leaves it untouched)."""
+    begin, end = markers(name)
+    old = doc.read_text(encoding="utf-8")
+    if begin not in old or end not in old or old.index(begin) > old.index(end):
         return False
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    doc.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}", encoding="utf-8")
+    head, rest = old.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    new = f"{head}{begin}\n{text}\n{end}{tail}"
+    if new != old:
+        doc.write_text(new, encoding="utf-8")
     return True
 
 
-def run_report(args: argparse.Namespace) -> int:
-    folder = Path(args.metrics_dir or Path(args.experiment).parent)
-    arms = load_arms(folder)
-    if not arms:
-        print(f"calibclip experiment report: no <arm>/metrics.jsonl under {folder}",
-              file=sys.stderr)
-        return 2
-    png = plot_arms(arms, Path(args.figure))
-    table = report_tables(arms)
-    print(table)
-    print(f"figure: {png}")
-    if args.doc:
-        doc = Path(args.doc)
-        if not doc.exists() or not write_table(doc, table):
-            print(f"calibclip experiment report: {doc} has no {BEGIN} ... {END} lines; table "
-                  f"printed only", file=sys.stderr)
-            return 2
-        print(f"table: {doc}")
-    return 0
+def write_table(doc: Path, table: str) -> bool:
+    """The first round's tables between BEGIN and END (see write_section)."""
+    return write_section(doc, TABLE_SECTION, table)

@@ -80,7 +80,7 @@ def _records(arm_offset):
     recs = []
     for s in range(30):
         r = {"step": s, "reward_mean": 0.1 + 0.01 * s + arm_offset,
-             "loss/entropy_mean": 1.0 + (0.5 if s == 17 else 0.0),
+             "loss/entropy_mean": 1.0 + (0.5 if s == 23 else 0.0) + (2.0 if s == 0 else 0.0),
              "loss/clipfrac_lower": 0.02 * (s % 3), "loss/phantom_clipfrac": 0.01,
              "loss/mult_prob_error": 0.003, "loss/kl_mean": 1e-4 * s,
              "response_length_mean": 10.0, "clip/lower": 0.8, "clip/upper": 1.2}
@@ -99,13 +99,14 @@ def test_summary_matches_means_computed_here(tmp_path):
     assert s["steps"] == 30
     assert s["reward_first"] == pytest.approx(sum(0.1 + 0.01 * i for i in range(20)) / 20)
     assert s["reward_last"] == pytest.approx(sum(0.1 + 0.01 * i for i in range(10, 30)) / 20)
-    assert (s["entropy_peak"], s["entropy_peak_step"]) == (1.5, 17.0)
+    # the peak after the first 20 steps: step 0's higher entropy (where every run starts) is not it
+    assert (s["entropy_peak"], s["entropy_peak_step"]) == (1.5, 23.0)
     assert s["phantom_first"] == pytest.approx(0.01)  # 19 finite values of 0.01
     assert (s["heldout_start"], s["heldout_end"], s["heldout_end_updates"]) == (0.3, 0.7, 30.0)
     assert heldout(recs) == [(0.0, 0.3), (10.0, 0.4), (20.0, 0.5), (30.0, 0.7)]
     table = summary_table({"a": recs, "b": _records(0.5)}, window=20)
     rows = [line for line in table.splitlines() if line.startswith("| a ") or line.startswith("| b ")]
-    assert len(rows) == 2 and "1.500 (17)" in rows[0] and "0.300 -> 0.700 (after 30)" in rows[0]
+    assert len(rows) == 2 and "1.500 (23)" in rows[0] and "0.300 -> 0.700 (after 30)" in rows[0]
     assert f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}" in rows[0]
 
 

@@ -1,0 +1,90 @@
+"""The issue's three questions, answered in generated sentences from the paired intervals.
+
+A verdict reads only whether the 95% interval of a paired difference excludes 0: "behind",
+"ahead", or "cannot tell" (the interval includes 0, or fewer than 2 paired seeds). Nothing
+here is typed by hand, so the answer changes when the committed runs do.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_calibclip.experiment.report_paired import interval_text, pair_intervals
+from megatron_calibclip.experiment.report_seeds import SeedRuns, quantity_labels
+from megatron_calibclip.experiment.report_stats import Interval
+
+METRICS = ("reward_last", "heldout")  # the quantities the questions are answered on
+
+
+def sign(iv: Optional[Interval]) -> int:
+    """+1 / -1 when the interval lies above / below 0, else 0 (includes 0, or no interval)."""
+    if iv is None or not iv.excludes_zero():
+        return 0
+    return 1 if iv.low > 0 else -1
+
+
+def evidence(iv: Optional[Interval], name: str) -> str:
+    """'<name> +0.100 [+0.050, +0.150] over 3 seeds: interval excludes 0' and the like."""
+    if iv is None:
+        return f"{name}: no paired seed"
+    if iv.low is None:
+        return f"{name} {interval_text(iv)}: cannot tell"
+    verdict = "interval excludes 0" if iv.excludes_zero() else "interval includes 0: cannot tell"
+    return f"{name} {interval_text(iv)} over {iv.n} seeds: {verdict}"
+
+
+def _q1(iv: dict) -> str:
+    d = iv[("fp8-tis", "bf16")]
+    return {-1: "yes, FP8 + TIS falls behind BF16", 1: "no, FP8 + TIS is ahead of BF16",
+            0: "cannot tell"}[sign(d)] + f" ({evidence(d, 'fp8-tis - bf16')})"
+
+
+def _q2(iv: dict) -> str:
+    up, vs_bf16 = iv[("fp8-calibrated", "fp8-tis")], iv[("fp8-calibrated", "bf16")]
+    s_up, s_bf = sign(up), sign(vs_bf16)
+    if s_up > 0:
+        head = {0: "yes: above FP8 + TIS and not distinguishable from BF16",
+                -1: "in part: above FP8 + TIS but still below BF16",
+                1: "yes: above FP8 + TIS and above BF16"}[s_bf]
+    elif s_up < 0:
+        head = "no: below FP8 + TIS"
+    else:
+        head = "cannot tell whether it improves on FP8 + TIS"
+    return (f"{head} ({evidence(up, 'fp8-calibrated - fp8-tis')}; "
+            f"{evidence(vs_bf16, 'fp8-calibrated - bf16')})")
+
+
+def _q3(iv: dict) -> str:
+    l_only = iv[("fp8-calibrated-l-only", "fp8-tis")]
+    h_on_top = iv[("fp8-calibrated", "fp8-calibrated-l-only")]
+    s_l, s_h = sign(l_only), sign(h_on_top)
+    if s_l > 0 and s_h == 0:
+        head = "the calibrated L: L-only is above FP8 + TIS, the wider H adds nothing measurable"
+    elif s_l > 0 and s_h > 0:
+        head = "both: L-only is above FP8 + TIS, and the wider H adds to it"
+    elif s_l <= 0 and s_h > 0:
+        head = "the wider H: the full method is above L-only, L-only is not above FP8 + TIS"
+    elif s_h < 0:
+        head = ("the calibrated L, and the wider H costs: L-only is above FP8 + TIS, the full "
+                "method below L-only" if s_l > 0 else "the wider H costs: the full method is below L-only")
+    elif s_l < 0:
+        head = "neither: L-only is below FP8 + TIS"
+    else:
+        head = "cannot tell which: neither interval excludes 0"
+    return (f"{head} ({evidence(l_only, 'fp8-calibrated-l-only - fp8-tis')}; "
+            f"{evidence(h_on_top, 'fp8-calibrated - fp8-calibrated-l-only')})")
+
+
+QUESTIONS = (("Does full FP8 + TIS fall behind BF16?", _q1),
+             ("Does Calibrated Clipping recover it?", _q2),
+             ("Is it the calibrated L or the wider H (the L-only arm)?", _q3))
+
+
+def answers(seeds: SeedRuns) -> str:
+    """Markdown bullets: each question, answered on each metric of METRICS."""
+    labels = quantity_labels(seeds.target)
+    intervals = {q: {pair: iv for pair, (_, iv) in pair_intervals(seeds, q).items()} for q in METRICS}
+    lines = []
+    for question, answer in QUESTIONS:
+        parts = [f"on {labels[q]}: {answer(intervals[q])}" for q in METRICS]
+        lines.append(f"- **{question}** " + "; ".join(parts) + ".")
+    return "\n".join(lines)

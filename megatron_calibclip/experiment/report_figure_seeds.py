@@ -1,0 +1,204 @@
+"""The second round's figure, built around the paired comparison.
+
+Per arm: the mean over seeds (bold) and the spread across seeds (band / error bars: min to
+max); the training reward with its last-20 window shaded and a marker per arm for the
+last-20 mean; held-out accuracy with error bars; the paired differences with their 95%
+t-intervals; and the quantities the reading rests on (entropy, KL, EOS fraction, rollout/
+trainer mismatch, phantom clips, clip bounds). Coincident bound lines are drawn nested (the
+thicker underneath) and labelled once per value at the right edge, so none hides another.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_calibclip.experiment.report import (SMOOTH, STEP_WINDOW, WINDOW, heldout, rolling_mean,
+                                                  values_by_step, window_means)
+from megatron_calibclip.experiment.report_answers import METRICS
+from megatron_calibclip.experiment.report_paired import pair_intervals, pair_label
+from megatron_calibclip.experiment.report_seeds import HELDOUT_FROM, SeedRuns, quantity_labels
+
+ARM_COLORS = {"bf16": "tab:blue", "fp8-tis": "tab:purple", "fp8-calibrated": "tab:green",
+              "fp8-calibrated-l-only": "tab:orange"}
+OTHER_COLORS = ("tab:red", "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan")
+CURVES = (  # (panel title, key, y label): per-step panels drawn as mean + band across seeds
+    ("training reward (sampled)", "reward_mean", "mean reward"),
+    ("entropy (mean over response tokens)", "loss/entropy_mean", "nats"),
+    ("KL to the reference", "loss/kl_mean", "k3 KL"),
+    ("EOS fraction (answers that end)", "eos_fraction", "fraction of responses"),
+    ("rollout/trainer mismatch", "loss/mult_prob_error", "mean exp|log p_rollout - log p_trainer|"),
+)
+
+
+def arm_colors(arms: list[str]) -> dict[str, str]:
+    others = iter(OTHER_COLORS * (1 + len(arms)))
+    return {a: ARM_COLORS.get(a) or next(others) for a in arms}
+
+
+def _band(runs: dict, key: str, target: int) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(steps, mean, min, max) across seeds of each seed's SMOOTH-step rolling mean of `key`."""
+    per_seed = []
+    for run in runs.values():
+        pts = dict(values_by_step(run.records, key))
+        steps = [s for s in range(target) if s in pts]
+        per_seed.append(dict(zip(steps, rolling_mean([pts[s] for s in steps], SMOOTH))))
+    xs = [s for s in range(target) if all(s in d for d in per_seed)]
+    cols = [[d[s] for d in per_seed] for s in xs]
+    return xs, [sum(c) / len(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols]
+
+
+def _curve_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict, key: str) -> None:
+    for arm in arms:
+        xs, mean, lo, hi = _band(seeds.usable(arm), key, seeds.target)
+        if xs:
+            ax.fill_between(xs, lo, hi, color=colors[arm], alpha=0.15, lw=0)
+            ax.plot(xs, mean, color=colors[arm], lw=1.8)
+
+
+def _last_markers(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:
+    """Shade the last-WINDOW steps; per arm, the mean of the seeds' last-window means and their range."""
+    ax.axvspan(seeds.target - WINDOW, seeds.target - 1, color="0.9", zorder=0)
+    for i, arm in enumerate(arms):
+        means = [sum(v for _, v in pts) / len(pts) for run in seeds.usable(arm).values()
+                 if (pts := [p for p in values_by_step(run.records, "reward_mean")
+                             if p[0] >= seeds.target - WINDOW])]
+        if means:
+            m = sum(means) / len(means)
+            ax.errorbar([seeds.target + 2 + 2 * i], [m], yerr=[[m - min(means)], [max(means) - m]],
+                        fmt="D", color=colors[arm], ms=6, capsize=3)
+    ax.text(seeds.target - WINDOW / 2, ax.get_ylim()[0], f"last {WINDOW}", ha="center", va="bottom",
+            fontsize=8, color="0.4")
+
+
+def _offset_errorbars(ax, arms: list[str], colors: dict, points: dict, spread: float) -> None:
+    """points[arm] = {x: [values over seeds]}: mean with min-max bars, arms side by side."""
+    for i, arm in enumerate(arms):
+        xs = sorted(points.get(arm, {}))
+        if not xs:
+            continue
+        shift = (i - (len(arms) - 1) / 2) * spread
+        vals = [points[arm][x] for x in xs]
+        means = [sum(v) / len(v) for v in vals]
+        below = [m - min(v) for m, v in zip(means, vals)]
+        above = [max(v) - m for m, v in zip(means, vals)]
+        ax.errorbar([x + shift for x in xs], means, yerr=[below, above], fmt="o-",
+                    color=colors[arm], ms=4, lw=1.2, capsize=2)
+
+
+def _heldout_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:
+    points = {}
+    for arm in arms:
+        for run in seeds.usable(arm).values():
+            for updates, acc in heldout(run.records):
+                points.setdefault(arm, {}).setdefault(updates, []).append(acc)
+    _offset_errorbars(ax, arms, colors, points, spread=1.0)
+    ax.axvline(HELDOUT_FROM, color="0.6", ls=":", lw=1)
+
+
+def _phantom_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:
+    points = {}
+    for arm in arms:
+        for run in seeds.usable(arm).values():
+            for start, v in window_means(run.records, "loss/phantom_clipfrac").items():
+                if v is not None:
+                    points.setdefault(arm, {}).setdefault(start + STEP_WINDOW / 2, []).append(v)
+    _offset_errorbars(ax, arms, colors, points, spread=1.2)
+
+
+def _forest_panel(ax, seeds: SeedRuns, colors: dict) -> None:
+    """Paired differences: each seed a dot, the mean a marker, the 95% t-interval a bar; one
+    group of rows per metric, headed by its name."""
+    labels, y = quantity_labels(seeds.target), 0.0
+    ticks = []
+    for q in METRICS:
+        ax.text(0.01, y - 0.35, labels[q], transform=ax.get_yaxis_transform(), fontsize=8,
+                style="italic", va="center")
+        y -= 0.5
+        for (arm, base), (diffs, iv) in pair_intervals(seeds, q).items():
+            y -= 1
+            ticks.append((y, pair_label(arm, base)))
+            ax.plot(list(diffs.values()), [y] * len(diffs), "o", color="0.3", ms=3, alpha=0.7)
+            if iv is not None:
+                if iv.low is not None:
+                    ax.plot([iv.low, iv.high], [y, y], color=colors.get(arm, "k"), lw=2.5)
+                ax.plot([iv.mean], [y], "D", color=colors.get(arm, "k"), ms=6)
+        y -= 0.6
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_ylim(y + 0.3, 0.2)
+    ax.set_yticks([t for t, _ in ticks], [text for _, text in ticks], fontsize=7)
+    ax.set_xlabel("difference (arm - baseline)")
+
+
+MARKERS = ("o", "s", "^", "v", "P", "X")
+
+
+def _bounds_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:
+    """L (solid) and H (dashed) per arm. Arms with equal bounds share a line, so each arm's
+    markers sit at its own steps (staggered) and the right edge names every arm per value."""
+    finals = {}
+    every = max(seeds.target // 10, len(arms))
+    for i, arm in enumerate(arms):
+        for key, style in (("clip/lower", "-"), ("clip/upper", "--")):
+            xs, mean, _, _ = _band(seeds.usable(arm), key, seeds.target)
+            if xs:
+                ax.plot(xs, mean, style, color=colors[arm], lw=1.3, marker=MARKERS[i % len(MARKERS)],
+                        ms=5, markevery=(i * every // len(arms), every))
+                finals.setdefault(round(mean[-1], 2), []).append(f"{arm} {'L' if 'lower' in key else 'H'}")
+    if not finals:
+        return
+    values = sorted(finals)
+    span = max(values[-1] - values[0], 0.5)
+    ax.set_ylim(values[0] - 0.1 * span, values[-1] + 0.1 * span)
+    ax.set_xlim(0, seeds.target * 1.5)
+    placed = []
+    for v in values:  # push labels apart so that close values stay readable
+        pos = max(v, placed[-1] + 0.07 * span) if placed else v
+        placed.append(pos)
+        ax.annotate(f"{v:.2f}: " + "\n".join(finals[v]), (seeds.target - 1, v),
+                    (seeds.target + 2, pos), fontsize=7, va="center",
+                    arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.6})
+
+
+def plot_seeds(seeds: SeedRuns, out_png: Path) -> Path:
+    """Write the paired-seed figure of the used runs to `out_png`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [a for a in seeds.arms() if seeds.usable(a)]
+    colors = arm_colors(arms)
+    fig, axes = plt.subplots(3, 3, figsize=(18, 13.5))
+    curve_axes = (axes[0, 0], axes[1, 0], axes[1, 1], axes[1, 2], axes[2, 0])
+    for (title, key, ylabel), ax in zip(CURVES, curve_axes):
+        _curve_panel(ax, seeds, arms, colors, key)
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+    _last_markers(axes[0, 0], seeds, arms, colors)
+    _heldout_panel(axes[0, 1], seeds, arms, colors)
+    axes[0, 1].set_title(f"held-out greedy accuracy (BF16); dotted: {HELDOUT_FROM} updates")
+    axes[0, 1].set_xlabel("updates applied")
+    _forest_panel(axes[0, 2], seeds, colors)
+    axes[0, 2].set_title("paired differences: seeds (dots), mean, 95% t-interval")
+    _phantom_panel(axes[2, 1], seeds, arms, colors)
+    axes[2, 1].set_title(f"phantom clips, A<0 ({STEP_WINDOW}-step windows; steps with A<0 tokens)")
+    axes[2, 1].set_ylabel("fraction of A<0 tokens")
+    _bounds_panel(axes[2, 2], seeds, arms, colors)
+    axes[2, 2].set_title("clip bounds in force (L solid, H dashed)")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        if ax is not axes[0, 2] and ax is not axes[0, 1]:
+            ax.set_xlabel("RL step")
+    handles = [plt.Line2D([], [], color=colors[a], lw=2.5, marker=MARKERS[i % len(MARKERS)])
+               for i, a in enumerate(arms)]
+    fig.legend(handles, [f"{a} ({len(seeds.usable(a))} seeds)" for a in arms], loc="upper center",
+               ncol=len(arms), fontsize=10, frameon=False, bbox_to_anchor=(0.5, 0.985))
+    fig.suptitle(f"paired seeds, steps 0-{seeds.target - 1}: bold = mean over seeds ({SMOOTH}-step "
+                 f"rolling), band / bars = min-max across seeds; diamonds = last-{WINDOW} means",
+                 y=0.995, fontsize=11)
+    # fixed margins, not tight_layout: as legible here, and several times faster on a shared CPU
+    fig.subplots_adjust(left=0.055, right=0.985, bottom=0.05, top=0.925, wspace=0.5, hspace=0.3)
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=80)
+    plt.close(fig)
+    return out_png

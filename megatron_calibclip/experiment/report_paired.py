@@ -1,0 +1,141 @@
+"""The second round's tables: which runs were used, each arm per seed, the paired differences
+with their 95% t-intervals, and the within-run noise.
+
+Every number in them is computed here from the committed seed folders (report_seeds), so the
+document's reading can refer to them instead of retyping them.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Optional
+
+from megatron_calibclip.experiment.report import WINDOW, ranges
+from megatron_calibclip.experiment.report_seeds import (
+    HELDOUT_FROM, SeedRuns, heldout_problems, paired, quantity_labels, reward_noise)
+from megatron_calibclip.experiment.report_stats import LEVEL, Interval, t_interval, t_quantile
+
+# (arm, baseline): each difference is arm - baseline within one seed
+PAIRS = (("fp8-tis", "bf16"), ("fp8-calibrated", "fp8-tis"), ("fp8-calibrated", "bf16"),
+         ("fp8-calibrated-l-only", "fp8-tis"), ("fp8-calibrated", "fp8-calibrated-l-only"))
+DIGITS = {"mismatch": 4, "kl_last": 4}  # every other quantity: 3
+
+
+def pair_label(arm: str, base: str) -> str:
+    return f"{arm} - {base}"
+
+
+def coverage(seeds: SeedRuns) -> str:
+    """Markdown: every seed x arm, its steps, whether it is used (or why not), commit, samples."""
+    rows = ["| seed | arm | steps | used | commit | samples |", "|---|---|---|---|---|---|"]
+    for seed in seeds.seeds():
+        for arm in seeds.arms():
+            run, why = seeds.runs.get((seed, arm)), seeds.why_not(seed, arm)
+            steps = ranges(run.steps) if run and run.steps else "none"
+            rows.append(f"| {seed} | {arm} | {steps} | {'yes' if why is None else 'no: ' + why} "
+                        f"| {run.commit if run else 'n/a'} | {run.samples if run else 0} |")
+    used = [f"{a} (seeds {ranges(sorted(seeds.usable(a)))})" for a in seeds.arms() if seeds.usable(a)]
+    left = [f"seed-{s}/{a} ({seeds.why_not(s, a)})" for s in seeds.seeds() for a in seeds.arms()
+            if seeds.why_not(s, a) is not None]
+    text = (f"Used: {'; '.join(used) or 'no run'}; steps 0-{seeds.target - 1} of every used run. "
+            f"Left out: {'; '.join(left) or 'nothing'}.")
+    return "\n".join(rows) + "\n\n" + text
+
+
+def _num(v: Optional[float], digits: int = 3, sign: bool = False) -> str:
+    return "n/a" if v is None else (f"{v:+.{digits}f}" if sign else f"{v:.{digits}f}")
+
+
+def arm_table(seeds: SeedRuns) -> str:
+    """Markdown: per quantity and arm, the mean over seeds and (each seed's value)."""
+    arms = [a for a in seeds.arms() if seeds.usable(a)]
+    labels = quantity_labels(seeds.target)
+    values = {a: {s: seeds.quantities(s, a) for s in seeds.usable(a)} for a in arms}
+    rows = ["| quantity | " + " | ".join(arms) + " |", "|" + "---|" * (len(arms) + 1)]
+    for q, label in labels.items():
+        cells = []
+        for a in arms:
+            per_seed = [values[a][s][q] for s in sorted(values[a])]
+            known = [v for v in per_seed if v is not None]
+            mean = statistics.fmean(known) if known else None
+            digits = DIGITS.get(q, 3)
+            cells.append(f"{_num(mean, digits)} ({' / '.join(_num(v, digits) for v in per_seed)})")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + ("\n\nMean over the used seeds (each seed's value in seed order). Rates "
+                              "over A<0 tokens average only the steps that had some.")
+
+
+def interval_text(iv: Optional[Interval], digits: int = 3) -> str:
+    if iv is None:
+        return "n/a"
+    if iv.low is None:
+        return f"{_num(iv.mean, digits, True)} (1 seed: no interval)"
+    return (f"{_num(iv.mean, digits, True)} [{_num(iv.low, digits, True)}, "
+            f"{_num(iv.high, digits, True)}]")
+
+
+def pair_intervals(seeds: SeedRuns, quantity: str) -> dict[tuple[str, str], tuple[dict, Optional[Interval]]]:
+    """{(arm, base): ({seed: difference}, interval)} for every pair of PAIRS."""
+    out = {}
+    for arm, base in PAIRS:
+        diffs = paired(seeds, quantity, arm, base)
+        out[(arm, base)] = (diffs, t_interval(list(diffs.values())))
+    return out
+
+
+def paired_table(seeds: SeedRuns) -> str:
+    """Markdown: per quantity and pair, mean difference [95% interval] (each seed's difference)."""
+    rows = ["| quantity | " + " | ".join(pair_label(a, b) for a, b in PAIRS) + " |",
+            "|" + "---|" * (len(PAIRS) + 1)]
+    for q, label in quantity_labels(seeds.target).items():
+        digits = DIGITS.get(q, 3)
+        cells = [f"{interval_text(iv, digits)} ({' / '.join(_num(d, digits, True) for d in diffs.values())})"
+                 for diffs, iv in pair_intervals(seeds, q).values()]
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + (f"\n\nMean of the per-seed differences [{LEVEL:.0%} t-interval] (each "
+                              "seed's difference in seed order); only seeds where both arms are used.")
+
+
+def method_text(seeds: SeedRuns) -> str:
+    """How the intervals are computed, with the t quantiles of the seed counts present."""
+    ns = sorted({len(d) for q in ("reward_last", "heldout")
+                 for d, _ in pair_intervals(seeds, q).values() if len(d) >= 2})
+    quant = "; ".join(f"n = {n}: t = {t_quantile((1 + LEVEL) / 2, n - 1):.2f}, half-width "
+                      f"{t_quantile((1 + LEVEL) / 2, n - 1) / math.sqrt(n):.2f} s" for n in ns)
+    return (f"How the intervals are computed: each quantity is computed per run; for a pair of arms "
+            f"the difference is taken within each seed (the arms of a seed share the data order), "
+            f"and the {LEVEL:.0%} interval is mean +- t(n - 1) * s / sqrt(n), s the standard "
+            f"deviation of the n per-seed differences (n - 1 in its denominator), t Student's "
+            f"{(1 + LEVEL) / 2:.3f} quantile. {quant or 'Fewer than 2 paired seeds: no interval'}. "
+            f"With few seeds the interval is wide: only a difference that is large and consistent "
+            f"across seeds excludes 0, and an interval that includes 0 means 'cannot tell', not "
+            f"'equal'. Held-out accuracy of a run: the mean of its evaluations after "
+            f"{HELDOUT_FROM} or more updates.")
+
+
+def noise_text(seeds: SeedRuns) -> str:
+    """Markdown: within-run and between-seed noise of the last-20 reward, held-out binomial noise."""
+    rows = [f"| arm | used seeds | within-run SE of the last-{WINDOW} reward (mean over seeds) "
+            f"| between-seed sd of the last-{WINDOW} reward | held-out binomial SE of one evaluation |",
+            "|---|---|---|---|---|"]
+    within_all = []
+    for arm in seeds.arms():
+        runs = seeds.usable(arm)
+        if not runs:
+            continue
+        within = [w for r in runs.values() if (w := reward_noise(r.records, seeds.target)) is not None]
+        within_all += within
+        last = [v for s in runs if (v := seeds.quantities(s, arm)["reward_last"]) is not None]
+        held = [(v, n) for s, r in runs.items() if (v := seeds.quantities(s, arm)["heldout"]) is not None
+                and (n := heldout_problems(r.records))]
+        binom = (math.sqrt(statistics.fmean(p for p, _ in held) * (1 - statistics.fmean(p for p, _ in held))
+                           / statistics.fmean(n for _, n in held)) if held else None)
+        rows.append(f"| {arm} | {len(runs)} | {_num(statistics.fmean(within) if within else None)} "
+                    f"| {_num(statistics.stdev(last) if len(last) >= 2 else None)} | {_num(binom)} |")
+    summary = (f"Within one run, a last-{WINDOW} reward mean carries about +-"
+               f"{_num(statistics.fmean(within_all) if within_all else None)} (std of its per-step "
+               f"rewards / sqrt({WINDOW}), mean over the used runs) if the steps were independent. The "
+               f"binomial SE is sqrt(p (1 - p) / problems) at the arm's mean held-out accuracy p; "
+               f"the evaluations of one run reuse the same problems, so their mean is not "
+               f"{HELDOUT_FROM}+ updates' worth of independent evaluations.")
+    return "\n".join(rows) + "\n\n" + summary

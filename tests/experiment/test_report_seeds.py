@@ -1,0 +1,188 @@
+"""The second round's report on synthetic seed folders: paired differences and t-intervals
+against means computed here from the written files (and the t quantile of test_report_stats),
+runs left out with their reason, generated answers, samples, idempotence and bad input."""
+import json
+import statistics
+
+import pytest
+
+from megatron_calibclip.experiment.report_answers import answers
+from megatron_calibclip.experiment.report_paired import coverage, pair_intervals, paired_table
+from megatron_calibclip.experiment.report_seeds import load_seeds
+
+from .seed_runs import write_run, write_seeds
+from .test_report_stats import hand_interval
+
+
+def _diff(folder, quantity, arm, base, seeds):
+    """{seed: quantity(arm) - quantity(base)} from the written metrics."""
+    return {s: quantity(_read(folder, s, arm)) - quantity(_read(folder, s, base)) for s in seeds}
+
+
+def _read(folder, seed, arm):
+    path = folder / f"seed-{seed}" / arm / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _last20_reward(recs):
+    return statistics.fmean(r["reward_mean"] for r in recs if r["step"] >= 80)
+
+
+def _phantom_late(recs):  # over the steps with A<0 tokens only
+    return statistics.fmean(r["loss/phantom_clipfrac"] for r in recs
+                            if r["step"] >= 20 and r["neg_tokens"] > 0)
+
+
+def _heldout(recs):
+    acc = [r["eval/accuracy"] for r in recs if "eval/accuracy" in r and r["eval/updates"] >= 30]
+    acc += [r["eval_final/accuracy"] for r in recs if "eval_final/accuracy" in r]
+    return statistics.fmean(acc)
+
+
+@pytest.fixture
+def seed_folder(tmp_path):
+    """Seeds 1-3 x 4 arms, except: seed 3's L-only arm still running (60 steps), seed 2's
+    fp8-calibrated missing; and a seed 4 whose bf16 run_info names another seed and whose
+    fp8-tis metrics end mid-line."""
+    folder = tmp_path / "exp"
+    write_seeds(folder, seeds=(1, 2, 3), arms=("bf16", "fp8-tis", "fp8-calibrated-l-only"))
+    write_seeds(folder, seeds=(1, 3), arms=("fp8-calibrated",))
+    write_run(folder, 3, "fp8-calibrated-l-only", steps=60)
+    write_seeds(folder, seeds=(4,), arms=("bf16", "fp8-tis"))
+    (folder / "seed-4" / "bf16" / "run_info.json").write_text(json.dumps({"seed": 3}))
+    with (folder / "seed-4" / "fp8-tis" / "metrics.jsonl").open("a") as fh:
+        fh.write('{"step": 100, "reward_me')
+    return folder
+
+
+def test_runs_left_out_are_named_with_their_reason(seed_folder):
+    seeds = load_seeds(seed_folder)
+    assert seeds.target == 100 and seeds.seeds() == [1, 2, 3, 4]
+    assert sorted(seeds.usable("fp8-calibrated-l-only")) == [1, 2]
+    assert sorted(seeds.usable("fp8-calibrated")) == [1, 3]
+    assert sorted(seeds.usable("bf16")) == [1, 2, 3]
+    text = coverage(seeds)
+    assert "| 3 | fp8-calibrated-l-only | 0-59 | no: 60 of 100 steps (incomplete) |" in text
+    assert "| 2 | fp8-calibrated | none | no: missing |" in text
+    assert "seed-4/bf16 (run_info.json says seed 3, folder seed-4)" in text
+    assert "seed-4/fp8-tis (1 unreadable line(s) in metrics.jsonl)" in text
+    assert "fp8-calibrated (seeds 1, 3)" in text and "fp8-tis (seeds 1-3)" in text
+
+
+def test_paired_differences_and_intervals_match_a_hand_computation(seed_folder):
+    seeds = load_seeds(seed_folder)
+    per_seed = _diff(seed_folder, _last20_reward, "fp8-tis", "bf16", (1, 2, 3))
+    diffs, iv = pair_intervals(seeds, "reward_last")[("fp8-tis", "bf16")]
+    assert diffs == pytest.approx(per_seed)
+    m, lo, hi = hand_interval(list(per_seed.values()))
+    assert (iv.n, iv.mean, iv.low, iv.high) == (3, pytest.approx(m), pytest.approx(lo, abs=1e-6),
+                                                pytest.approx(hi, abs=1e-6))
+    # fp8-calibrated - fp8-calibrated-l-only: only seed 1 has both used
+    diffs, iv = pair_intervals(seeds, "phantom_late")[("fp8-calibrated", "fp8-calibrated-l-only")]
+    assert list(diffs) == [1]
+    assert diffs[1] == pytest.approx(_phantom_late(_read(seed_folder, 1, "fp8-calibrated"))
+                                     - _phantom_late(_read(seed_folder, 1, "fp8-calibrated-l-only")))
+    assert iv.low is None
+    held = list(_diff(seed_folder, _heldout, "fp8-calibrated-l-only", "fp8-tis", (1, 2)).values())
+    diffs, iv = pair_intervals(seeds, "heldout")[("fp8-calibrated-l-only", "fp8-tis")]
+    assert list(diffs.values()) == pytest.approx(held)
+    row = [line for line in paired_table(seeds).splitlines() if line.startswith("| training reward")][0]
+    assert f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]" in row
+    assert " / ".join(f"{d:+.3f}" for d in per_seed.values()) in row
+
+
+def test_answers_follow_the_intervals(seed_folder):
+    seeds = load_seeds(seed_folder)
+    text = answers(seeds)
+    q1, q2, q3 = text.splitlines()
+    tis = list(_diff(seed_folder, _last20_reward, "fp8-tis", "bf16", (1, 2, 3)).values())
+    _, lo, hi = hand_interval(tis)
+    assert hi < 0  # the synthetic FP8 + TIS arm is 0.2 below BF16 in every seed
+    assert "on training reward, last 20 steps: yes, FP8 + TIS falls behind BF16" in q1
+    assert f"[{lo:+.3f}, {hi:+.3f}] over 3 seeds: interval excludes 0" in q1
+    cal = list(_diff(seed_folder, _last20_reward, "fp8-calibrated", "fp8-tis", (1, 3)).values())
+    _, lo, hi = hand_interval(cal)
+    verdict = "excludes 0" if lo > 0 or hi < 0 else "includes 0: cannot tell"
+    assert (f"fp8-calibrated - fp8-tis {statistics.fmean(cal):+.3f} [{lo:+.3f}, {hi:+.3f}] over 2 "
+            f"seeds: interval {verdict}") in q2
+    # one paired seed for the full method against L-only: no interval, cannot tell
+    assert "fp8-calibrated - fp8-calibrated-l-only" in q3 and "(1 seed: no interval): cannot tell" in q3
+
+
+def _doc(tmp_path):
+    doc = tmp_path / "doc.md"
+    names = ("reproduction-table", "reproduction-facts", "reproduction-seeds", "reproduction-samples")
+    doc.write_text("# Doc\n" + "".join(f"<!-- {n}:begin -->\nSTALE TEXT\n<!-- {n}:end -->\ntext {n}\n"
+                                       for n in names))
+    return doc
+
+
+def _report(folder, tmp_path, *extra):
+    from megatron_calibclip.cli import main
+
+    return main(["experiment", "report", "--metrics-dir", str(folder), "--figure",
+                 str(tmp_path / "fig" / "rep.png"), "--doc", str(tmp_path / "doc.md"), *extra])
+
+
+def test_report_is_idempotent_and_writes_every_section(seed_folder, tmp_path):
+    from .test_experiment import _records
+
+    (seed_folder / "bf16").mkdir()  # a first-round arm beside the seeds
+    (seed_folder / "bf16" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records(0.0)))
+    doc = _doc(tmp_path)
+    assert _report(seed_folder, tmp_path) == 0
+    files = [doc, tmp_path / "fig" / "rep.png", tmp_path / "fig" / "rep-seeds.png"]
+    first = [f.read_bytes() for f in files]
+    assert _report(seed_folder, tmp_path) == 0
+    assert [f.read_bytes() for f in files] == first
+    text = doc.read_text()
+    assert "STALE TEXT" not in text and text.count("text reproduction-") == 4
+    assert "| bf16 | 30 |" in text  # the first round's table
+    assert "![paired seeds](fig/rep-seeds.png)" in text
+    assert "**Step 0** (seed 1" in text and "**Step 99** (seed 1" in text and "**Step 50** (seed 1" in text
+    assert (tmp_path / "fig" / "rep-seeds.png").stat().st_size > 20_000
+
+
+def test_samples_of_chosen_steps(seed_folder, tmp_path, capsys):
+    doc = _doc(tmp_path)
+    assert _report(seed_folder, tmp_path, "--samples-at", "50", "--samples-per-arm", "1",
+                   "--samples-seed", "3") == 0
+    section = doc.read_text().split("<!-- reproduction-samples:begin -->")[1].split("-samples:end")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| arm")]
+    sample = json.loads((seed_folder / "seed-3" / "bf16" / "samples.jsonl").read_text().splitlines()[150])
+    assert sample["step"] == 50
+    # the L-only arm of seed 3 is still running: not used, so not shown
+    assert [r.split(" | ")[0] for r in rows] == ["| bf16", "| fp8-tis", "| fp8-calibrated"]
+    assert rows[0].endswith(sample["response"].replace("|", "\\|") + " |")
+    assert f"| {sample['reward']:.3f} | {sample['advantage']:+.3f} | yes |" in rows[0]
+    assert "**Step 50** (seed 3; the first 1 sample(s) of the step per arm)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--samples-at", "500"], "no samples at step(s) 500 in seed-1 (sampled steps: 0-99)"),
+    (["--samples-at", "0,x"], "--samples-at takes steps separated by commas"),
+    (["--samples-at", "-3"], "--samples-at takes steps >= 0"),
+    (["--samples-seed", "9"], "no samples in seed-9 (used runs with samples: seeds 1-3)"),
+    (["--samples-per-arm", "0"], "--samples-per-arm must be >= 1"),
+])
+def test_bad_sample_requests_fail_in_one_line(seed_folder, tmp_path, capsys, extra, message):
+    doc = _doc(tmp_path)
+    before = doc.read_text()
+    assert _report(seed_folder, tmp_path, *extra) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert doc.read_text() == before and not (tmp_path / "fig").exists()
+
+
+def test_without_seed_folders_the_section_says_so(tmp_path, capsys):
+    from .test_experiment import _records
+
+    folder = tmp_path / "exp"
+    (folder / "bf16").mkdir(parents=True)
+    (folder / "bf16" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _records(0.0)))
+    doc = _doc(tmp_path)
+    assert _report(folder, tmp_path, "--samples-at", "0") == 2
+    assert "need seed-<n>/<arm>/ folders; none found" in capsys.readouterr().err
+    assert _report(folder, tmp_path) == 0
+    assert "the second round has not run" in doc.read_text()
+    assert not (tmp_path / "fig" / "rep-seeds.png").exists()
