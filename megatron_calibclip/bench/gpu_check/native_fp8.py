@@ -40,8 +40,11 @@ def _fp8_logprobs(model, cfg, tokens, granularity: str, backend: str) -> torch.T
 
 
 def check_granularity(model, cfg, tokens, lp_bf16, granularity: str) -> dict:
-    emulated = _fp8_logprobs(model, cfg, tokens, granularity, "emulated")
-    native = _fp8_logprobs(model, cfg, tokens, granularity, "torch")
+    from megatron_calibclip.fp8.gemm import using_gemm_path
+
+    with using_gemm_path("exact"):  # the emulation in the GPU's order (fp8/gemm.py)
+        emulated = _fp8_logprobs(model, cfg, tokens, granularity, "emulated")
+        native = _fp8_logprobs(model, cfg, tokens, granularity, "torch")
     out = {"native_vs_emulated": abs_diff(native, emulated),
            "fp8_effect": abs_diff(emulated, lp_bf16)}
     effect = out["fp8_effect"]["mean"]
