@@ -20,6 +20,15 @@ def test_info_reports_versions(capsys):
     assert "megatron-core 0.16.1" in out and "torch 2.13.0" in out
 
 
+def test_info_names_the_gemm_path_and_a_bad_one_is_one_line(monkeypatch, capsys):
+    assert main(["info"]) == 0
+    assert "GEMM path of our linears: native" in capsys.readouterr().out
+    monkeypatch.setenv("CALIBCLIP_GEMM", "fast")
+    assert main(["info"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "CALIBCLIP_GEMM='fast' is not one of" in err
+
+
 def test_unknown_subcommand_fails_with_usage():
     proc = subprocess.run([sys.executable, "-m", "megatron_calibclip.cli", "fly"],
                           capture_output=True, text=True)

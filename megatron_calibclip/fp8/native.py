@@ -99,7 +99,3 @@ def operand_gemm(a: GemmOperand, b: GemmOperand, bias: Optional[torch.Tensor] = 
         out = out + bias.float()
     return out.to(BF16) if bf16_out else out
 
-
-def bf16_operand(t: torch.Tensor) -> GemmOperand:
-    """A BF16-mode operand [lines, K]: the values rounded to BF16, no scale."""
-    return GemmOperand(t.to(BF16), None, True)
