@@ -38,13 +38,11 @@ def native_forward(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     recipe = gemm.recipe
     qx = _q(x2, gemm, "activation", -1)
     ops = gemm.weights.operands(weight, recipe, _state(gemm, "weight"))
-    out = operand_gemm(native_operand(qx, -1, recipe), ops.native_forward(), bias, bf16_io,
-                       gemm.exact)
+    xa = native_operand(qx, -1, recipe)
+    out = operand_gemm(xa, ops.native_forward(), bias, bf16_io, gemm.exact)
     x_saved = None
     if need_wgrad and recipe.fp8_wgrad:  # the input quantized along tokens (wgrad's K)
-        qt = qx if same_both_ways(recipe, "activation") else \
-            quantize(x2, recipe, "activation", axis=0)
-        x_saved = native_operand(qt, 0, recipe)
+        x_saved = _along_tokens(x2, qx, xa, recipe, "activation")
     elif need_wgrad:
         x_saved = x2.to(BF16)  # a BF16 wgrad
     return out, NativeSaved(x_saved, ops.native_dgrad() if need_dgrad else None)
@@ -66,16 +64,23 @@ def native_backward(g2: torch.Tensor, gemm: _Gemm, saved: NativeSaved, need_dgra
         return grad_x, grad_w
     recipe = gemm.recipe
     qg = _q(g2, gemm, "grad", -1)  # the one (delayed) update of the grad amax
+    ga = native_operand(qg, -1, recipe)
     if need_dgrad:
-        grad_x = operand_gemm(native_operand(qg, -1, recipe), saved.w, bf16_out=False,
-                              exact=gemm.exact)
+        grad_x = operand_gemm(ga, saved.w, bf16_out=False, exact=gemm.exact)
     if need_wgrad and recipe.fp8_wgrad:
-        qt = qg if same_both_ways(recipe, "grad") else quantize(g2, recipe, "grad", axis=0)
-        grad_w = operand_gemm(native_operand(qt, 0, recipe), saved.x, bf16_out=False,
-                              exact=gemm.exact)
+        grad_w = operand_gemm(_along_tokens(g2, qg, ga, recipe, "grad"), saved.x,
+                              bf16_out=False, exact=gemm.exact)
     elif need_wgrad:
         grad_w = _wgrad_bf16(g2.to(BF16), saved.x, gemm.exact)
     return grad_x, grad_w
+
+
+def _along_tokens(t: torch.Tensor, q, op: GemmOperand, recipe, role: str) -> GemmOperand:
+    """`t` as the wgrad reads it, quantized along the tokens. With one scale per tensor the
+    codes are the forward's: the same BF16 operand, transposed (no second conversion)."""
+    if same_both_ways(recipe, role):
+        return GemmOperand(op.values.t(), op.scale, op.pow2)
+    return native_operand(quantize(t, recipe, role, axis=0), 0, recipe)
 
 
 def _wgrad_bf16(gb: torch.Tensor, xb: torch.Tensor, exact: bool) -> torch.Tensor:
