@@ -28,7 +28,7 @@ from megatron.core.inference.contexts import StaticInferenceContext
 
 from megatron_calibclip.parallel.devices import collective_device, model_device
 from megatron_calibclip.parallel.flags import any_rank
-from megatron_calibclip.rollout.batch import RolloutBatch
+from megatron_calibclip.rollout.batch import RolloutBatch, check_prompts
 from megatron_calibclip.rollout.sampling import SamplingParams, sample_next
 
 
@@ -122,10 +122,7 @@ class MegatronRolloutEngine:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
                  ) -> RolloutBatch:
-        if not prompts:
-            raise ValueError("generate() needs at least one prompt")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompts)
         b = len(prompts)
         width = max(len(p) for p in prompts)
         total = width + params.max_new_tokens

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_calibclip.parallel.initialize import before_teardown
-from megatron_calibclip.rollout.batch import RolloutBatch
+from megatron_calibclip.rollout.batch import RolloutBatch, check_prompts
 from megatron_calibclip.rollout.sampling import SamplingParams
 from megatron_calibclip.rollout.vllm_settings import VLLM_DTYPES, VLLM_FP8_QUANTIZATION, VllmSettings
 from megatron_calibclip.rollout.watchdog import deadline
@@ -244,10 +244,7 @@ class VllmRolloutEngine:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
                  ) -> RolloutBatch:
-        if not prompts:
-            raise ValueError("generate() needs at least one prompt")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompts)
         if self._stale:
             self.sync_weights()
         pp = ps.get_pipeline_model_parallel_world_size()
