@@ -63,6 +63,7 @@ def _arm(engine, prompts, params, reps: int) -> dict:
 def main() -> int:
     args = _parse()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the JSON only
     import torch
 
     torch.set_num_threads(args.threads)  # before vLLM replaces set_num_threads

@@ -88,11 +88,12 @@ def _whole(entry: mapping.Entry, cfg: ModelConfig, params: dict[str, torch.nn.Pa
     return full
 
 
-def hf_weight_buckets(model: torch.nn.Module, cfg: ModelConfig,
-                      bucket_bytes: int) -> Iterator[HFTensors]:
+def hf_weight_buckets(model: torch.nn.Module, cfg: ModelConfig, bucket_bytes: int,
+                      dtype: Optional[torch.dtype] = None) -> Iterator[HFTensors]:
     """Collective: the live weights of `model` (this rank's stage of a GPTModel built from
     `cfg`) as buckets of (HF name, tensor), every rank of the model-parallel group receiving
-    the same whole tensors. Dtype: the model's parameter dtype (the engine casts)."""
+    the same whole tensors. dtype: cast each tensor to it (round to nearest, as the engine's
+    own copy would) so that the engine receives its dtype; None: the parameters' dtype."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     params = _local_parameters(model, cfg)
@@ -102,6 +103,8 @@ def hf_weight_buckets(model: torch.nn.Module, cfg: ModelConfig,
     for entry in mapping.resolve(cfg):
         full = _whole(entry, cfg, params, first.dtype, first.device)
         for name, tensor in entry.to_hf(cfg, full).items():
+            if dtype is not None:
+                tensor = tensor.to(dtype)
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket

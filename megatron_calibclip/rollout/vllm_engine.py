@@ -145,6 +145,8 @@ class VllmRolloutEngine:
         # external_launcher asserts in-process execution (uniproc_executor.py) and reads the
         # rank from the environment (SLURM launches set only SLURM_* variables)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM logs every sync at INFO; keep its warnings (set the variable to see more)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("RANK", str(dist.get_rank()))
         os.environ.setdefault("LOCAL_RANK", str(device.index or 0) if self.cuda else "0")
         self._dir = write_model_dir(hf_config, eos_id, pad_id, bos_id)

@@ -52,7 +52,7 @@ def build_rollout_engine(cfg: TrainConfig, model_cfg: ModelConfig, policy: torch
         precision=cfg.rollout.precision, fp8_granularity=cfg.rollout_recipe.granularity,
         eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
         bos_id=getattr(tokenizer, "bos_id", None),
-        weights=lambda: hf_weight_buckets(policy, model_cfg, bucket_bytes),
+        weights=lambda: hf_weight_buckets(policy, model_cfg, bucket_bytes, dtype),
         expected_tensors=hf_tensor_count(model_cfg),
         max_model_len=vllm_max_model_len(cfg, model_cfg), seed=cfg.run.seed,
         device=model_device(policy))
