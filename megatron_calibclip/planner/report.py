@@ -67,9 +67,17 @@ def breakdown(m: ModelConfig, e: Estimate) -> str:
         row(f"update activations (mb {w.micro_batch}, seq {w.seq_len})", s.update,
             f"recompute {recompute} GiB"),
         row(f"log-prob pass (mb {w.logprob_micro_batch})", s.logprobs),
-        row(f"rollout KV cache ({w.rollout_batch} seqs x {w.seq_len}, {lay.kv_cache_dtype})",
-            s.kv_cache),
-        row("generation (KV cache + prefill, logits)", s.generation),
+        *((row(f"vLLM engine weights (all layers / TP {lay.tp})", s.engine_weights),
+           row(f"vLLM KV cache needed ({w.rollout_batch} seqs / PP {lay.pp} x {w.seq_len})",
+               s.kv_cache),
+           row(f"generation: vLLM's share ({lay.engine_memory_fraction:g} of the GPU)",
+               s.generation, ("fits" if s.engine_fits else "TOO SMALL for weights + KV")
+               + (", released outside generation (sleep)" if lay.engine_sleeps
+                  else ", resident in every phase")))
+          if lay.rollout_engine == "vllm" else
+          (row(f"rollout KV cache ({w.rollout_batch} seqs x {w.seq_len}, {lay.kv_cache_dtype})",
+               s.kv_cache),
+           row("generation (KV cache + prefill, logits)", s.generation))),
         f"  peak {e.peak_gib:.1f} GiB in the {s.peak_phase} phase + "
         f"{e.hardware.reserve_gib:.1f} GiB reserve of {e.hardware.gpu_memory_gib:.1f} GiB: "
         + (f"fits, {e.headroom_gib:.1f} GiB spare" if e.fits
@@ -92,4 +100,6 @@ def to_json(e: Estimate) -> dict[str, Any]:
                         "reference_gib": x.states.reference / GIB,
                         "update_gib": x.update / GIB, "logprobs_gib": x.logprobs / GIB,
                         "generation_gib": x.generation / GIB, "kv_cache_gib": x.kv_cache / GIB,
+                        "engine_weights_gib": x.engine_weights / GIB,
+                        "engine_share_gib": x.engine_share / GIB, "engine_fits": x.engine_fits,
                         "peak_gib": x.peak / GIB} for x in e.stages]}

