@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_calibclip.parallel.devices import HOST
 from megatron_calibclip.parallel.initialize import before_teardown
 from megatron_calibclip.rollout.batch import RolloutBatch, check_prompts
 from megatron_calibclip.rollout.sampling import SamplingParams
@@ -260,16 +261,19 @@ class VllmRolloutEngine:
         b = len(prompts)
         width = max(len(p) for p in prompts)
         r = max(1, max(len(results[i][0]) for i in range(b)))
-        tokens = torch.full((b, width + r), self.pad_id, dtype=torch.long)
-        logprobs = torch.zeros(b, width + r - 1)
-        lengths = torch.zeros(b, dtype=torch.long)
-        finished = torch.zeros(b, dtype=torch.bool)
+        # assembled on the host (vLLM hands back Python lists), then moved to the model's device
+        tokens = torch.full((b, width + r), self.pad_id, dtype=torch.long, device=HOST)
+        logprobs = torch.zeros(b, width + r - 1, device=HOST)
+        lengths = torch.zeros(b, dtype=torch.long, device=HOST)
+        finished = torch.zeros(b, dtype=torch.bool, device=HOST)
         for i, prompt in enumerate(prompts):
             toks, lps, done = results[i]
-            tokens[i, width - len(prompt): width] = torch.tensor(list(prompt), dtype=torch.long)
+            tokens[i, width - len(prompt): width] = torch.tensor(list(prompt), dtype=torch.long,
+                                                                 device=HOST)
             if toks:
-                tokens[i, width: width + len(toks)] = torch.tensor(toks, dtype=torch.long)
-                logprobs[i, width - 1: width - 1 + len(lps)] = torch.tensor(lps)
+                tokens[i, width: width + len(toks)] = torch.tensor(toks, dtype=torch.long,
+                                                                   device=HOST)
+                logprobs[i, width - 1: width - 1 + len(lps)] = torch.tensor(lps, device=HOST)
             lengths[i], finished[i] = len(toks), done
         used = width + int(lengths.max())
         d = self.device
