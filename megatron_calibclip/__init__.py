@@ -18,3 +18,19 @@ for _message in (
 _warnings.filterwarnings(
     "ignore", message="`torch.distributed.all_gather_into_tensor` is deprecated",
     category=FutureWarning)
+
+
+class _DropCudaHomeGuess:
+    """The CUDA build of torch (our Python 3.12 leg, docs/versions.md) on a machine with nvcc
+    but no GPU logs "No CUDA runtime is found, using CUDA_HOME=..." when megatron-core imports
+    torch.utils.cpp_extension: one stderr line per process that breaks every one-line error
+    and that no user can act on (no kernel is built). Only that message is dropped."""
+
+    @staticmethod
+    def filter(record) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
+
+
+import logging as _logging  # noqa: E402
+
+_logging.getLogger("torch.utils.cpp_extension").addFilter(_DropCudaHomeGuess())

@@ -27,7 +27,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
     te = importlib.util.find_spec("transformer_engine") is not None
     print(f"megatron-calibclip {megatron_calibclip.__version__}")
     print(f"torch {torch.__version__} (CUDA available: {torch.cuda.is_available()})")
-    print(f"megatron-core {version} (patches made for {patches.MADE_FOR_MEGATRON_CORE})")
+    from megatron_calibclip import compat
+
+    print(f"megatron-core {version}: {compat.line_status()} (supported lines: "
+          f"{compat.supported_lines_text()}; CPU patch table {patches.MADE_FOR_MEGATRON_CORE})")
     print(f"transformer-engine: {'installed' if te else 'not installed'}")
     print(f"CPU patches for megatron-core: "
           f"{'needed' if patches.cpu_patches_needed() else 'not needed (CUDA)'}")

@@ -1,4 +1,4 @@
-"""CPU (gloo) support for megatron-core 0.16.1, applied at run time and only without CUDA.
+"""CPU (gloo) support for megatron-core (each release in patches/releases/), applied at run time and only without CUDA.
 
 Installed as ``megatron_calibclip.patches`` (see setup.py). Read patches/README.md first.
 
@@ -78,6 +78,11 @@ class _CudaShim:
 
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
+
+    def current_stream(self, device: Any = None) -> Any:
+        """torch.cpu's stream: its wait_event/wait_stream are no-ops, as work on the CPU is in
+        order (0.19's grad sync calls torch.cuda.current_stream() unconditionally)."""
+        return torch.cpu.current_stream()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)

@@ -65,15 +65,17 @@ def cuda_sites(module_name: str) -> list[str]:
 
 
 def _mentions_cuda(fn: ast.AST) -> bool:
+    """Any `<x>.cuda.<attr>` access (torch.cuda.current_stream, .synchronize, .Stream, ...), a
+    `.cuda(...)` call, or a "cuda" string constant. (Until the 0.19 review this looked only at
+    five torch.cuda calls, and missed 0.19's `torch.cuda.current_stream()` in DDP's grad sync.)"""
     for node in ast.walk(fn):
+        if isinstance(node, ast.Attribute):
+            value = node.value
+            if isinstance(value, ast.Attribute) and value.attr == "cuda":
+                return True
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            if node.func.attr in ("current_device", "synchronize", "cuda", "manual_seed",
-                                  "get_rng_state"):
-                value = node.func.value
-                if node.func.attr == "cuda" or (
-                    isinstance(value, ast.Attribute) and value.attr == "cuda"
-                ):
-                    return True
+            if node.func.attr == "cuda":
+                return True
         if isinstance(node, ast.Constant) and node.value == "cuda":
             return True
     return False

@@ -6,13 +6,28 @@ import pytest
 import torch
 
 from megatron_calibclip import patches
+from megatron_calibclip.patches import sites
 
 
 def test_pinned_megatron_version():
     assert megatron.core.__version__ == patches.MADE_FOR_MEGATRON_CORE, (
-        f"patches were made for megatron-core {patches.MADE_FOR_MEGATRON_CORE}, installed "
+        f"patches have tables for megatron-core {', '.join(sites.SUPPORTED_RELEASES)}, installed "
         f"{megatron.core.__version__}: run tools/patch_fingerprints.py and review the patches"
     )
+
+
+def test_one_table_per_supported_line():
+    """docs/versions.md: 0.16 (Python 3.11) and 0.19 (Python 3.12), one reviewed table each;
+    every table names the release it was written for and lists its sites' fingerprints."""
+    assert [r.rsplit(".", 1)[0] for r in sites.SUPPORTED_RELEASES] == ["0.16", "0.19"]
+    for release in sites.SUPPORTED_RELEASES:
+        table = sites.release_table(release)
+        assert table["megatron_core"] == release
+        assert set(table["fingerprints"]) == set(sites.all_patched_sites(table))
+    # an untested release is served by the table of the newest earlier line (with a warning)
+    assert sites.table_release("0.17.1") == "0.16.1"
+    assert sites.table_release("0.19.9") == "0.19.2"
+    assert sites.table_release("0.20.0") == "0.19.2"
 
 
 def test_every_function_the_patches_rely_on_is_unchanged():
@@ -107,3 +122,26 @@ def test_cpu_tensors_report_cuda_type_names_only_inside_wrapped_optimizer_code()
     p.grad = torch.full((4,), 3.0)
     clip_grads.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=6.0)
     assert torch.allclose(p.grad, torch.full((4,), 0.5), atol=1e-5)
+
+
+def test_the_cuda_scan_sees_every_torch_cuda_use():
+    """The scan behind PROXIED_MODULES missed 0.19's `torch.cuda.current_stream()` (it knew five
+    torch.cuda calls); any torch.cuda attribute, .cuda() call or "cuda" string counts now."""
+    import ast
+
+    from megatron_calibclip.patches.fingerprint import _mentions_cuda
+
+    for src in ("def f():\n    s = torch.cuda.current_stream()",
+                "def f():\n    with torch.cuda.stream(s):\n        pass",
+                "def f(t):\n    return t.cuda()",
+                "def f():\n    return torch.zeros(1, device='cuda')"):
+        assert _mentions_cuda(ast.parse(src).body[0]), src
+    assert not _mentions_cuda(ast.parse("def f(x):\n    return x.device.type == 'cpu'").body[0])
+
+
+def test_the_shim_stream_is_a_cpu_no_op():
+    patches.apply_cpu_patches()
+    buffers = importlib.import_module("megatron.core.distributed.param_and_grad_buffer")
+    stream = buffers.torch.cuda.current_stream()
+    stream.wait_stream(stream)  # what 0.19's grad sync does; in order on the CPU
+    assert isinstance(stream, torch.cpu.Stream)

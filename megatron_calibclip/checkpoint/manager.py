@@ -33,6 +33,7 @@ import megatron.core
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_calibclip import compat
 from megatron_calibclip.checkpoint import layout as disk
 from megatron_calibclip.checkpoint.errors import CheckpointError, DamagedCheckpointError
 from megatron_calibclip.checkpoint.integrity import damaged_file
@@ -184,7 +185,7 @@ class CheckpointManager:
         state[STATE_KEY] = ShardedObject(STATE_KEY, payload, (1,), (0,), replica_id=rank)
         state[RNG_KEY] = ShardedObject(RNG_KEY, capture_rng_state(), (world,), (rank,),
                                        replica_id=0)
-        state["step"] = step  # also in common.pt, readable with plain torch.load
+        state["step"] = step  # in the common state (0.16: common.pt, plain torch.load)
         dist_checkpointing.save(state, str(tmp), sharded_strategy=save_strategy(self.strategy))
 
         if rank == 0:
@@ -272,6 +273,9 @@ class CheckpointManager:
                      restore_rng: bool) -> LoadedCheckpoint:
         """`load` of a folder `_damage` has already passed (collective)."""
         info = CheckpointInfo.read(folder)
+        refusal = compat.checkpoint_refusal(info.megatron_core)
+        if refusal:
+            raise CheckpointError(f"cannot load {folder}: {refusal}")
         if optimizer is not None and FRESH_OPTIMIZER in info.contents:
             optimizer = None  # saved before the first optimizer step: keep the fresh one
         elif optimizer is not None and "optimizer" not in info.contents:

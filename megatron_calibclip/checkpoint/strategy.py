@@ -10,6 +10,8 @@ Why a strategy of our own: megatron-core 0.16.1's default torch_dist writer
 its save planner, and hands the result to torch.distributed.checkpoint's synchronous
 FileSystemWriter in this process. The files are the same torch_dist format (metadata.json says
 'torch_dist', version 1) and are read by megatron's unmodified TorchDistLoadShardedStrategy.
+Typed by TorchDistSaveShardedStrategy, not the abstract base: 0.19 removed
+`strategies.base.SaveShardedStrategy` and accepts only that class (serialization.save).
 With CUDA, "auto" keeps megatron's own (faster, parallel) writer. This is a strategy object
 passed to `dist_checkpointing.save`, not a patch: megatron-core itself is left unchanged.
 """
@@ -21,7 +23,6 @@ from typing import Literal, Optional, Union
 import torch
 import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
-from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner,
     TorchDistSaveShardedStrategy,
@@ -54,7 +55,7 @@ class SyncTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
         )
 
 
-def save_strategy(name: StrategyName = "auto") -> Optional[SaveShardedStrategy]:
+def save_strategy(name: StrategyName = "auto") -> Optional[TorchDistSaveShardedStrategy]:
     """The strategy for `dist_checkpointing.save` (None = megatron's default torch_dist writer).
 
     "auto": megatron's writer with CUDA, ours without; "sync": always ours; "megatron": always

@@ -54,6 +54,13 @@ def _curve_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict, key: str) -
             ax.plot(xs, mean, color=colors[arm], lw=1.8)
 
 
+def _bars(mean: float, values: list[float]) -> list[list[float]]:
+    """[[below], [above]]: the min-max range around a mean as non-negative bar lengths (the
+    mean of equal values can exceed their max by a rounding step; matplotlib >= 3.11 refuses
+    a negative length)."""
+    return [[max(0.0, mean - min(values))], [max(0.0, max(values) - mean)]]
+
+
 def _last_markers(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:
     """Shade the last-WINDOW steps; per arm, the mean of the seeds' last-window means and their range."""
     ax.axvspan(seeds.target - WINDOW, seeds.target - 1, color="0.9", zorder=0)
@@ -63,7 +70,7 @@ def _last_markers(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:
                              if p[0] >= seeds.target - WINDOW])]
         if means:
             m = sum(means) / len(means)
-            ax.errorbar([seeds.target + 2 + 2 * i], [m], yerr=[[m - min(means)], [max(means) - m]],
+            ax.errorbar([seeds.target + 2 + 2 * i], [m], yerr=_bars(m, means),
                         fmt="D", color=colors[arm], ms=6, capsize=3)
     ax.text(seeds.target - WINDOW / 2, ax.get_ylim()[0], f"last {WINDOW}", ha="center", va="bottom",
             fontsize=8, color="0.4")
@@ -78,10 +85,10 @@ def _offset_errorbars(ax, arms: list[str], colors: dict, points: dict, spread: f
         shift = (i - (len(arms) - 1) / 2) * spread
         vals = [points[arm][x] for x in xs]
         means = [sum(v) / len(v) for v in vals]
-        below = [m - min(v) for m, v in zip(means, vals)]
-        above = [max(v) - m for m, v in zip(means, vals)]
-        ax.errorbar([x + shift for x in xs], means, yerr=[below, above], fmt="o-",
-                    color=colors[arm], ms=4, lw=1.2, capsize=2)
+        bars = [_bars(m, v) for m, v in zip(means, vals)]
+        yerr = [[b[0][0] for b in bars], [b[1][0] for b in bars]]
+        ax.errorbar([x + shift for x in xs], means, yerr=yerr, fmt="o-", color=colors[arm], ms=4,
+                    lw=1.2, capsize=2)
 
 
 def _heldout_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:

@@ -13,6 +13,7 @@ from typing import Optional
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_calibclip import compat
 from megatron_calibclip.fp8 import fp8_linear_classes
 from megatron_calibclip.fp8.te import transformer_engine_available
 from megatron_calibclip.models.attention import SDPAttention
@@ -38,7 +39,7 @@ def local_layer_spec(
     attn.core_attention = SDPAttention
     attn.linear_qkv = column_linear
     attn.linear_proj = row_linear
-    mlp = spec.submodules.mlp.submodules
+    mlp = compat.mlp_submodules(spec)
     mlp.linear_fc1 = column_linear
     mlp.linear_fc2 = row_linear
     return spec

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.inference.contexts import StaticInferenceContext
 
+from megatron_calibclip import compat
 from megatron_calibclip.parallel.devices import collective_device, model_device
 from megatron_calibclip.parallel.flags import any_rank
 from megatron_calibclip.rollout.batch import RolloutBatch, check_prompts
@@ -90,8 +91,9 @@ class MegatronRolloutEngine:
                                  device=tokens.device)
             dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
             self.model.set_input_tensor(hidden)
-        out = self.model(tokens, positions, mask, inference_context=ctx,
-                         runtime_gather_output=True)
+        with compat.inference_mode():  # 0.19 takes its inference paths only under this flag
+            out = self.model(tokens, positions, mask, inference_context=ctx,
+                             runtime_gather_output=True)
         if pp > 1 and not ps.is_pipeline_last_stage():
             dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
             return None

@@ -186,3 +186,15 @@ def test_without_seed_folders_the_section_says_so(tmp_path, capsys):
     assert _report(folder, tmp_path) == 0
     assert "the second round has not run" in doc.read_text()
     assert not (tmp_path / "fig" / "rep-seeds.png").exists()
+
+
+def test_min_max_bars_are_never_negative():
+    """The mean of equal values can exceed their max by a rounding step; matplotlib 3.11
+    refused the figure for that negative bar (seen on the Python 3.12 leg)."""
+    from megatron_calibclip.experiment.report_figure_seeds import _bars
+
+    mean = sum([0.1] * 3) / 3
+    assert mean > 0.1
+    (below,), (above,) = _bars(mean, [0.1] * 3)
+    assert below >= 0 and above == 0
+    assert _bars(0.5, [0.25, 1.0]) == [[0.25], [0.5]]

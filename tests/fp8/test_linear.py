@@ -174,8 +174,11 @@ def test_exact_native_linear_matches_shard_references(dist_pool, tp):
     column output reads the test's own inputs: a BF16 value at most one BF16 step away on a
     few elements (an fp32 sum near a rounding midpoint, summed in another order). Every other
     output reads an earlier GEMM's output, where such a step can move a BF16 rounding or an
-    FP8 code: measured <= 4.3e-4 of the largest value; asserted <= 2e-3. The kernels alone, with
-    no such cascade, are tested tightly in tests/fp8/test_native.py."""
+    FP8 code: asserted <= one BF16 step (2**-8) of the largest value. Measured: 4.3e-4 with
+    the CPU wheel of torch (Python 3.11 leg), 3.6e-3 with the CUDA wheel's CPU kernels (Python
+    3.12 leg: another BF16 GEMM kernel, another accumulation order; the BF16 input gradient
+    at TP=2). The kernels alone, with no such cascade, are tested tightly in
+    tests/fp8/test_native.py."""
     results = dist_pool(2).run(_linear_body, tp, "exact")
     for rank, res in enumerate(results):
         assert res.pop("fp32_bitwise")
@@ -186,7 +189,7 @@ def test_exact_native_linear_matches_shard_references(dist_pool, tp):
                         "activation_precision", "bf16") == "bf16"):
                     assert steps <= 1.0 and frac <= 0.01, where
                 else:
-                    assert err <= 2e-3, where
+                    assert err <= 2.0**-8, where
 
 
 def _requant_body(rank, world_size):
