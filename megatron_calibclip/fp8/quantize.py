@@ -120,6 +120,23 @@ def _block_view(x: torch.Tensor, recipe: FP8Recipe, role: Role, axis: int):
     raise ValueError(f"unknown granularity {g!r}")
 
 
+def _check_finite(x: torch.Tensor, amax: torch.Tensor, recipe: FP8Recipe, role: Role,
+                  axis: int) -> None:
+    """NaN/inf in `x` (amax is NaN/inf iff a block holds one). On the CPU: NonFiniteError
+    naming the tensor. On an accelerator: a device-side assert (`torch._assert_async`), so
+    that quantizing never waits for the device (a host read here would stall every GEMM's
+    operand, every decode step); the run still stops at the first non-finite operand."""
+    if amax.device.type == "cpu":
+        if not bool(torch.isfinite(amax).all()):
+            bad = int((~torch.isfinite(x.detach())).sum())
+            raise NonFiniteError(
+                f"quantize: {role} tensor of shape {list(x.shape)} has {bad} non-finite value(s) "
+                f"(NaN/inf); FP8 scaling needs finite inputs ({recipe.granularity}, axis={axis})")
+        return
+    torch._assert_async(torch.isfinite(amax).all(),
+                        f"quantize: {role} tensor has NaN/inf; FP8 scaling needs finite inputs")
+
+
 def quantize(
     x: torch.Tensor,
     recipe: FP8Recipe,
@@ -135,12 +152,7 @@ def quantize(
     fmt = recipe.element_format(role)
     blocks, dims, unblock = _block_view(x.detach().float(), recipe, role, axis)
     amax = blocks.abs().amax(dim=dims, keepdim=True)
-    if not bool(torch.isfinite(amax).all()):  # amax is NaN/inf iff a block holds NaN/inf
-        bad = int((~torch.isfinite(x.detach())).sum())
-        raise NonFiniteError(
-            f"quantize: {role} tensor of shape {list(x.shape)} has {bad} non-finite value(s) "
-            f"(NaN/inf); FP8 scaling needs finite inputs ({recipe.granularity}, axis={axis})"
-        )
+    _check_finite(x, amax, recipe, role, axis)
     if recipe.granularity == "mxfp8":
         exponent = e8m0_exponent(amax, fmt)
         data = cast_to_fp8(blocks * e8m0_scale(exponent), fmt)

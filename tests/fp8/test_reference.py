@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_calibclip.fp8 import E4M3, E5M2, AmaxHistory, FP8Recipe, quantize_dequantize
+from megatron_calibclip.fp8 import E4M3, E5M2, AmaxHistory, FP8Recipe, quantize, quantize_dequantize
 from megatron_calibclip.fp8.formats import round_to_fp8
 
 # name: (mantissa bits, smallest normal exponent, largest finite value)
@@ -234,3 +234,18 @@ def test_non_finite_input_raises(bad, granularity):
         quantize_dequantize(x, recipe, "activation", state=state)
     if state is not None:
         assert state.updates == 0  # a rejected tensor does not enter the amax history
+
+
+@pytest.mark.parametrize("granularity", ["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("role", ["activation", "weight", "grad"])
+def test_quantize_never_reads_an_accelerator_tensor_on_the_host(granularity, role):
+    """On a GPU a host read in the quantizer (the finiteness check was `bool(isfinite(amax)
+    .all())`) stalls every operand of every GEMM, every decode step. The meta device stands
+    in: any host read of a meta tensor raises. The check is a device-side assert there."""
+    recipe = FP8Recipe(granularity=granularity)
+    x = torch.randn(4, 256, device="meta")
+    state = AmaxHistory(E4M3, 4, "max", 0) if granularity == "delayed" else None
+    q = quantize(x, recipe, role, state=state)
+    assert q.data.device.type == "meta"
+    if state is not None:
+        assert state.updates == 1 and state.scale.device.type == "meta"
