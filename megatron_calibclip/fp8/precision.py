@@ -53,13 +53,12 @@ def precision_aware_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _te_configs(model: torch.nn.Module) -> list:
-    """Distinct TransformerConfig objects of a model built with Transformer Engine modules."""
-    has_te = any(
-        type(m).__module__.startswith(("megatron.core.extensions.transformer_engine",
-                                       "transformer_engine"))
-        for m in model.modules()
-    )
-    if not has_te:
+    """Distinct TransformerConfig objects of a model that was built with the TE layer spec.
+
+    Decided by what was built (`model.calibclip_backend`, set by models.build_gpt_model from
+    the spec), never by finding TE classes inside: with TE installed megatron gives non-TE
+    models TE modules too (a TENorm), and an emulated model must stay emulated."""
+    if getattr(model, "calibclip_backend", None) != "te":
         return []
     configs: dict[int, object] = {}
     for m in model.modules():

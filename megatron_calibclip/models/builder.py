@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_calibclip.models.bf16_stack import install_bf16_boundaries
 from megatron_calibclip.models.config import ModelConfig
 from megatron_calibclip.models.init import initialize_weights
-from megatron_calibclip.models.layer_specs import layer_spec
+from megatron_calibclip.models.layer_specs import layer_spec, spec_backend
 
 
 def to_transformer_config(
@@ -94,9 +94,10 @@ def build_gpt_model(
     """
     tconfig = to_transformer_config(cfg, params_dtype=params_dtype, **config_extra)
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    spec = spec if spec is not None else layer_spec(cfg, backend)
     model = GPTModel(
         config=tconfig,
-        transformer_layer_spec=spec if spec is not None else layer_spec(cfg, backend),
+        transformer_layer_spec=spec,
         vocab_size=cfg.padded_vocab_size(tp),
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -107,6 +108,7 @@ def build_gpt_model(
         rotary_base=int(cfg.rope_theta),
     )
     model.calibclip_config = cfg  # what the model was built from (conversion, metrics)
+    model.calibclip_backend = spec_backend(spec)  # "te" | "emulated" | "local": what was built
     if any(getattr(m, "_calibclip_emulated", False) for m in model.modules()):
         install_bf16_boundaries(model)  # a bf16 stack around the emulated linears
     if seed is not None:

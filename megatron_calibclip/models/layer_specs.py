@@ -57,7 +57,27 @@ def te_layer_spec(cfg: ModelConfig) -> ModuleSpec:
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_norm)
+    spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_norm)
+    spec.calibclip_backend = "te"  # read by build_gpt_model (spec_backend)
+    return spec
+
+
+def spec_backend(spec: ModuleSpec) -> str:
+    """What a layer spec builds: "te" (te_layer_spec), "emulated" (our FP8/BF16 linears in
+    the local spec), or "local". Why a tag and not a look at the classes: with TE installed
+    megatron puts TE modules (a TENorm) into non-TE models too, and the precision switch must
+    not mistake our emulated model for a TE one (fp8/precision.py)."""
+    tagged = getattr(spec, "calibclip_backend", None)
+    if tagged is not None:
+        return tagged
+    attn = spec.submodules.self_attention.submodules
+    linears = (attn.linear_qkv, attn.linear_proj, *_mlp_linears(spec))
+    return "emulated" if any(getattr(c, "_calibclip_emulated", False) for c in linears) else "local"
+
+
+def _mlp_linears(spec: ModuleSpec) -> tuple:
+    mlp = compat.mlp_submodules(spec)
+    return mlp.linear_fc1, mlp.linear_fc2
 
 
 def layer_spec(

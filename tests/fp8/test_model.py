@@ -171,3 +171,27 @@ def test_batch_coupling_tensorwise_vs_batch_invariant_recipes(dist_pool, tp):
         assert not res[coupled]["equal"] and res[coupled]["max_diff"] > 1e-4, (coupled, res)
     for invariant in ("rowwise", "blockwise", "mxfp8", "fp32", "bf16"):
         assert res[invariant]["equal"], (invariant, res[invariant])
+
+
+def _te_lookalike_body(rank, world_size):
+    """Issue 25: with TE installed megatron gives our emulated model a TENorm; the precision
+    switch took any module from TE's packages as "a TE model" and mapped the recipe onto TE
+    (refusing rowwise). What the model is comes from what was built, not from its classes."""
+    from megatron_calibclip.fp8 import get_precision, set_precision
+    from megatron_calibclip.models import build_policy_model, emulated_layer_spec, get_preset
+    from megatron_calibclip.parallel import model_parallel
+
+    with model_parallel():
+        cfg = get_preset("tiny")
+        model = build_policy_model(cfg, spec=emulated_layer_spec(cfg), seed=0)
+        assert model.calibclip_backend == "emulated"
+        norm = model.decoder.final_layernorm
+        norm.__class__ = type("TENorm", (type(norm),),
+                              {"__module__": "megatron.core.extensions.transformer_engine"})
+        set_precision(model, "fp8", FP8Recipe(granularity="rowwise"))
+        state = get_precision(model)
+        return state.mode, state.recipe.granularity, model.config.fp8
+
+
+def test_an_emulated_model_with_a_te_module_stays_emulated(dist_pool):
+    assert dist_pool(1).run(_te_lookalike_body)[0] == ("fp8", "rowwise", None)
