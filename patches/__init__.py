@@ -24,11 +24,12 @@ megatron-core differs.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import types
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -37,10 +38,14 @@ from .sites import FINGERPRINTS, MADE_FOR_MEGATRON_CORE, PROXIED_MODULES, REPLAC
 
 __all__ = [
     "FINGERPRINTS", "MADE_FOR_MEGATRON_CORE", "PROXIED_MODULES", "REPLACED_FUNCTIONS", "all_patched_sites",
-    "apply_cpu_patches", "cpu_patches_applied", "cpu_patches_needed", "cuda_sites", "source_fingerprint",
+    "accelerator_stand_in", "apply_cpu_patches", "cpu_patches_applied", "cpu_patches_needed", "cuda_sites", "source_fingerprint",
 ]
 
 _CPU = torch.device("cpu")
+# The device megatron's `torch.cuda` stands for inside the proxied modules: the CPU, except
+# in the device-placement test, which builds the trainer for the meta device
+# (`accelerator_stand_in`) to prove that nothing stays behind on the host.
+_STAND_IN = [_CPU]
 _FACTORIES = (
     "empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint",
     "empty_like", "zeros_like", "ones_like", "full_like", "as_tensor",
@@ -59,7 +64,7 @@ class _CudaShim:
     """Stands in for ``torch.cuda`` inside the proxied megatron modules (CPU only)."""
 
     def current_device(self) -> torch.device:
-        return _CPU
+        return _STAND_IN[0]
 
     def synchronize(self, *args: Any, **kwargs: Any) -> None:
         return None
@@ -102,7 +107,7 @@ class _TorchProxy(types.ModuleType):
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any):
             if _is_cuda_device(kwargs.get("device")):
-                kwargs["device"] = _CPU
+                kwargs["device"] = _STAND_IN[0]
             return fn(*args, **kwargs)
 
         return wrapper
@@ -157,14 +162,31 @@ def _cpu_reports_cuda_type(fn):
         def type_name(self, dtype=None, non_blocking=False, **kw):
             if dtype is None and not kw:
                 name = original(self)
-                if self.device.type == "cpu" and name.startswith("torch.") and ".cuda." not in name:
-                    return "torch.cuda." + name[len("torch."):]
+                kind = self.device.type
+                if (kind in ("cpu", _STAND_IN[0].type) and name.startswith("torch.")
+                        and ".cuda." not in name):  # (nested calls see the name already changed)
+                    base = name[len("torch."):]
+                    if base.startswith(f"{kind}."):  # "torch.meta.FloatTensor" (the stand-in)
+                        base = base[len(kind) + 1:]
+                    return "torch.cuda." + base
                 return name
             return original(self, dtype, non_blocking, **kw)
 
         return type_name
 
     return _with_tensor_method(fn, "type", make)
+
+
+@contextlib.contextmanager
+def accelerator_stand_in(device: torch.device) -> Iterator[None]:
+    """Inside: megatron's CUDA allocations (grad buffers, loss scales, ...) land on `device`
+    instead of the CPU. For the device-placement test (meta device), never for a run."""
+    previous = _STAND_IN[0]
+    _STAND_IN[0] = torch.device(device)
+    try:
+        yield
+    finally:
+        _STAND_IN[0] = previous
 
 
 _APPLIED = False

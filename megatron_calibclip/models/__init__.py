@@ -4,6 +4,7 @@ from megatron_calibclip.models.builder import (
     build_policy_model,
     build_reference_model,
     copy_weights,
+    place_on_device,
     to_transformer_config,
 )
 from megatron_calibclip.models.forward import (
@@ -28,5 +29,6 @@ __all__ = [
     "get_preset",
     "layer_spec",
     "local_layer_spec",
+    "place_on_device",
     "to_transformer_config",
 ]

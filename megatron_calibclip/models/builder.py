@@ -150,6 +150,19 @@ def build_reference_model(
     return model
 
 
+def place_on_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model.to(device)` and what `.to` does not move: RoPE's `inv_freq`, a plain attribute of
+    megatron's RotaryEmbedding, made on the host under use_cpu_initialization and moved by
+    megatron only inside the first forward. The trainer calls this right after building,
+    before DDP and the optimizer (Megatron-LM's get_model: `model.cuda(...)`)."""
+    model.to(device)
+    for m in model.modules():
+        inv_freq = getattr(m, "inv_freq", None)
+        if isinstance(inv_freq, torch.Tensor) and inv_freq.device != torch.device(device):
+            m.inv_freq = inv_freq.to(device)
+    return model
+
+
 def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     """Copy parameters (same sharding) from src into dst, casting to dst's dtype.
 

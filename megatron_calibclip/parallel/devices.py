@@ -8,7 +8,8 @@ strict_device.py checks that none is left implicit, see docs/devices.md).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,34 @@ import torch.distributed as dist
 # Tensors that stay on the host on purpose: seeded generators whose draws must be the same
 # on every machine (weight init, tie dithering, probe data), file contents, query tables.
 HOST = torch.device("cpu")
+
+
+# The CPU run's stand-in for an accelerator: the host, except in the device-placement test
+# (tests/trainer/test_device_placement.py), which builds the trainer for the meta device.
+_CPU_STAND_IN = [HOST]
+
+
+def compute_device() -> torch.device:
+    """Where the trainer puts its models right after building them (Megatron-LM's get_model:
+    `model.cuda(torch.cuda.current_device())`): the current CUDA device, else the host."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return _CPU_STAND_IN[0]
+
+
+@contextlib.contextmanager
+def cpu_stand_in(device: torch.device) -> Iterator[None]:
+    """Inside: a CPU run builds for `device` (and megatron's CUDA allocations follow it, with
+    the CPU patches' accelerator_stand_in). Test-only: the meta device proves placement."""
+    from megatron_calibclip.patches import accelerator_stand_in
+
+    previous = _CPU_STAND_IN[0]
+    _CPU_STAND_IN[0] = torch.device(device)
+    try:
+        with accelerator_stand_in(device):
+            yield
+    finally:
+        _CPU_STAND_IN[0] = previous
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

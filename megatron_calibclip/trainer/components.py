@@ -35,8 +35,9 @@ from megatron_calibclip.models import (
     copy_weights,
     get_preset,
     emulated_layer_spec,
+    place_on_device,
 )
-from megatron_calibclip.parallel.devices import model_device
+from megatron_calibclip.parallel.devices import HOST, compute_device, model_device
 from megatron_calibclip.rl import ReasoningGymReward, math_reward
 from megatron_calibclip.rollout import RolloutEngine
 from megatron_calibclip.trainer.config import TrainConfig
@@ -161,21 +162,25 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
 
     spec = emulated_layer_spec(model_cfg)
     bf16_params = cfg.model.resolved_params_dtype() == "bf16"
+    device = compute_device()
     policy = build_policy_model(model_cfg, spec=spec, seed=cfg.run.seed,
                                 params_dtype=torch.bfloat16 if bf16_params else torch.float32,
                                 calculate_per_token_loss=True)
+    # on the device right after building, before DDP and the optimizer (Megatron-LM's
+    # get_model); megatron builds some weights without a device (WrappedTorchNorm's)
+    place_on_device(policy, device)
     policy.config.finalize_model_grads_func = finalize_model_grads
     if cfg.model.load is not None:
         from megatron_calibclip.checkpoint import load_weights
 
         load_weights(cfg.model.load, policy)  # converted HF weights or an earlier run
     ref_dtype = torch.bfloat16 if cfg.model.reference_dtype == "bf16" else torch.float32
-    reference = build_reference_model(model_cfg, dtype=ref_dtype, spec=spec)
+    reference = place_on_device(build_reference_model(model_cfg, dtype=ref_dtype, spec=spec), device)
     copy_weights(policy, reference)
     set_precision(reference, "bf16" if ref_dtype == torch.bfloat16 else "fp32")
     set_precision(policy, cfg.precision, cfg.fp8)
-    if cfg.model.offload_reference and torch.cuda.is_available():
-        reference.cpu()  # visits the GPU only for its forward (trainer.step.reference_on_device)
+    if cfg.model.offload_reference and device.type != "cpu":
+        place_on_device(reference, HOST)  # visits the GPU only for its forward (step.py)
 
     ddp = DistributedDataParallel(
         policy.config,

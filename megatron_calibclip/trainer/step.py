@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_calibclip.parallel.devices import collective_device
+from megatron_calibclip.models import place_on_device
+from megatron_calibclip.parallel.devices import HOST, collective_device
 from megatron_calibclip.rl import (
     LossInputs,
     dynamic_sampling_filter,
@@ -77,16 +78,18 @@ class Timer:
 
 @contextlib.contextmanager
 def reference_on_device(c: Components):
-    """With model.offload_reference on a GPU run, the reference lives in CPU memory and visits
-    the GPU only for its forward; otherwise a no-op."""
-    offload = c.cfg.model.offload_reference and torch.cuda.is_available()
+    """With model.offload_reference on a GPU run, the reference lives in host memory and visits
+    the GPU only for its forward (its weight caches are dropped on the way out, or they would
+    keep a BF16 copy of it on the GPU); otherwise a no-op."""
+    offload = c.cfg.model.offload_reference and c.device.type != "cpu"
     if offload:
-        c.reference.cuda()
+        place_on_device(c.reference, c.device)
     try:
         yield
     finally:
-        if offload:
-            c.reference.cpu()
+        if offload:  # everything it owns: parameters, RoPE's inv_freq, its BF16 weight caches
+            place_on_device(c.reference, HOST)
+            invalidate_weight_caches(c.reference)
 
 
 def _seed(c: Components, step: int, round_: int) -> int:
