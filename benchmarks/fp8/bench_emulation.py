@@ -18,8 +18,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 import warnings
 
 import torch
@@ -33,6 +31,7 @@ from megatron_calibclip.fp8 import (  # noqa: E402
     reset_fp8_state,
     set_precision,
 )
+from megatron_calibclip.bench.timing import interleaved_times  # noqa: E402
 from megatron_calibclip.fp8.formats import round_to_bf16  # noqa: E402
 from megatron_calibclip.models import build_policy_model, get_preset, local_layer_spec  # noqa: E402
 from megatron_calibclip.parallel import (  # noqa: E402
@@ -41,20 +40,6 @@ from megatron_calibclip.parallel import (  # noqa: E402
 )
 
 GRANULARITIES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")
-
-
-def _interleaved_times(fns: dict, rounds: int) -> dict:
-    """Run every fn once per round, round-robin, so that load from other processes hits
-    all candidates alike; report the best (min) and the median seconds per call."""
-    for fn in fns.values():
-        fn()  # warm-up
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    return {k: {"min_s": min(v), "median_s": statistics.median(v)} for k, v in times.items()}
 
 
 def _logp(model, cfg, tokens):
@@ -117,8 +102,8 @@ def bench_model(name, cfg, batch, seq, rounds):
 
     fwd = {"fp32_plain_megatron": lambda: plain(tokens, pos, None).sum().item()}
     fwd.update({k: forward(*v) for k, v in modes.items()})
-    fwd_t = _interleaved_times(fwd, rounds)
-    bwd_t = _interleaved_times({k: forward_backward(*v) for k, v in modes.items()},
+    fwd_t = interleaved_times(fwd, rounds)
+    bwd_t = interleaved_times({k: forward_backward(*v) for k, v in modes.items()},
                                max(2, rounds // 2))
     base = fwd_t["fp32"]["min_s"]
     for key, t in fwd_t.items():
@@ -147,7 +132,7 @@ def bench_gemm(n, rounds):
         r = FP8Recipe(granularity=gr)
         fns[f"emulated_fp8_{gr}"] = (
             lambda r=r: quantize_dequantize(a, r) @ quantize_dequantize(b, r, "weight").t())
-    t = _interleaved_times(fns, rounds)
+    t = interleaved_times(fns, rounds)
     return {"shape": [n, n, n], **t,
             "native_bf16_min_over_emulated_bf16_min":
                 t["native_bf16"]["min_s"] / t["emulated_bf16"]["min_s"]}

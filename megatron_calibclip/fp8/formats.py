@@ -53,3 +53,25 @@ def to_bf16_values(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.bfloat16 or not x.is_floating_point():
         return x
     return x.to(torch.bfloat16).to(x.dtype)
+
+
+_BF16_OF_CODE: dict[torch.dtype, torch.Tensor] = {}  # float8 dtype -> its 256 values in BF16
+
+
+def codes_to_bf16(codes: torch.Tensor) -> torch.Tensor:
+    """FP8 codes as the same numbers in BF16 (exact: every E4M3 / E5M2 value, NaN included, is
+    a BF16 number). This is the operand conversion of every native FP8 GEMM.
+
+    Why a table on the CPU: CPU torch converts out of float8 one element at a time (6.8 ms for
+    1.2M elements on this machine); a gather from the 256 values of the format
+    (`index_select`) gives the same bits in 1.0 ms. Elsewhere (a GPU's conversion is a fused
+    kernel) and for non-contiguous codes: `.to(torch.bfloat16)`."""
+    if codes.device.type != "cpu" or not codes.is_contiguous() or codes.dtype not in (
+            torch.float8_e4m3fn, torch.float8_e5m2):
+        return codes.to(torch.bfloat16)
+    table = _BF16_OF_CODE.get(codes.dtype)
+    if table is None:
+        table = torch.arange(256, dtype=torch.uint8, device=codes.device).view(codes.dtype).to(torch.bfloat16)
+        _BF16_OF_CODE[codes.dtype] = table
+    flat = codes.view(torch.uint8).reshape(-1).to(torch.int32)
+    return table.index_select(0, flat).view(codes.shape)

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from megatron_calibclip.fp8.formats import codes_to_bf16
 from megatron_calibclip.fp8.gemm import bf16_linear, fp32_out_mm
 from megatron_calibclip.fp8.quantize import Quantized
 from megatron_calibclip.fp8.recipe import FP8Recipe
@@ -57,7 +58,7 @@ def native_operand(q: Quantized, axis: int, recipe: FP8Recipe) -> GemmOperand:
     """`q` (the 2-D tensor quantized along `axis`) as an operand reducing along `axis`."""
     if factors_out(recipe):
         op = fp8_operand(q, axis, recipe.granularity)
-        return GemmOperand(op.codes.to(BF16), op.scale, exact_scales(recipe))
+        return GemmOperand(codes_to_bf16(op.codes), op.scale, exact_scales(recipe))
     if not exact_scales(recipe):
         raise ValueError(f"native FP8 GEMM: {recipe.granularity} with fp32 scales is not exact "
                          "on BF16 kernels (use the fp32 emulation)")
