@@ -38,9 +38,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     backend, why = resolve_backend("auto")
     print(f"FP8 backend for fp8.backend=auto: {backend} ({why[len('auto: '):]})")
-    from megatron_calibclip.fp8.gemm import gemm_path
+    from megatron_calibclip.fp8.gemm import requested_gemm_path, resolve_gemm_path
 
-    print(f"GEMM path of our linears: {gemm_path()} (CALIBCLIP_GEMM=native|exact|fp32; "
+    path, why = resolve_gemm_path(requested_gemm_path())
+    print(f"GEMM path of our linears: {path} ({why}; CALIBCLIP_GEMM=auto|native|exact|fp32, "
           "fp8/README.md)")
     return 0
 

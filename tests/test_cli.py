@@ -25,8 +25,15 @@ def test_info_reports_versions(capsys):
 
 
 def test_info_names_the_gemm_path_and_a_bad_one_is_one_line(monkeypatch, capsys):
+    from megatron_calibclip.fp8.gemm import native_bf16_gemms
+
     assert main(["info"]) == 0
-    assert "GEMM path of our linears: native" in capsys.readouterr().out
+    native, why = native_bf16_gemms()
+    expected = "native (auto: " if native else "fp32 (auto: "
+    assert f"GEMM path of our linears: {expected}{why}" in capsys.readouterr().out
+    monkeypatch.setenv("CALIBCLIP_GEMM", "exact")
+    assert main(["info"]) == 0
+    assert "GEMM path of our linears: exact (requested" in capsys.readouterr().out
     monkeypatch.setenv("CALIBCLIP_GEMM", "fast")
     assert main(["info"]) == 2
     err = capsys.readouterr().err

@@ -40,6 +40,10 @@ class RunConfig:
     keep_checkpoints: Optional[int] = None  # keep the newest N checkpoints (None: all)
     # a run directory holding another run's results is refused; true: clear it and start over
     overwrite: bool = False
+    # GEMM path of the emulated linears (fp8/gemm.py): auto (native BF16 kernels where the
+    # hardware has them, else fp32), native, exact, fp32; auto defers to $CALIBCLIP_GEMM.
+    # A run that must compare across machines names one (resolved.yaml records what ran).
+    gemm_path: str = "auto"
 
     def __post_init__(self) -> None:
         _need(bool(self.name) and "/" not in self.name and self.name not in (".", ".."), "run.name",
@@ -48,6 +52,10 @@ class RunConfig:
         _need(self.save_every >= 0, "run.save_every", self.save_every, ">= 0 (0: only at the end)")
         _need(self.keep_checkpoints is None or self.keep_checkpoints >= 1, "run.keep_checkpoints",
               self.keep_checkpoints, ">= 1, or null to keep all")
+        from megatron_calibclip.fp8.gemm import GEMM_PATHS
+
+        _need(self.gemm_path in GEMM_PATHS, "run.gemm_path", self.gemm_path,
+              f"one of {list(GEMM_PATHS)}")
 
 
 @dataclass

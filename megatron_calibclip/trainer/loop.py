@@ -83,7 +83,11 @@ def resolved_settings(cfg: TrainConfig, c: Components) -> dict[str, str]:
     from megatron_calibclip.fp8.backend import resolve_backend
     from megatron_calibclip.trainer.provenance import code_version
 
-    out = {"device": str(c.device), "params_dtype": cfg.model.resolved_params_dtype()}
+    from megatron_calibclip.fp8.gemm import requested_gemm_path, resolve_gemm_path
+
+    path, why = resolve_gemm_path(requested_gemm_path())
+    out = {"device": str(c.device), "params_dtype": cfg.model.resolved_params_dtype(),
+           "gemm_path": f"{path} ({why})"}
     for section, recipe in cfg.fp8_recipes_in_use():
         out[f"{section}.backend"] = resolve_backend(recipe.backend)[0]
     out.update(code_version())
@@ -109,6 +113,16 @@ def _guard_run_dir(run_dir: Path, cfg: TrainConfig, checkpointer: Optional[Check
 def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
           init_distributed: bool = True) -> dict[str, Any]:
     """Run `cfg.run.steps` RL steps; returns {'run_dir', 'records'} (records on every rank)."""
+    if cfg.run.gemm_path == "auto":  # $CALIBCLIP_GEMM, else the hardware's choice
+        return _train(cfg, checkpointer, init_distributed)
+    from megatron_calibclip.fp8.gemm import using_gemm_path
+
+    with using_gemm_path(cfg.run.gemm_path):  # restored afterwards (in-process callers)
+        return _train(cfg, checkpointer, init_distributed)
+
+
+def _train(cfg: TrainConfig, checkpointer: Optional[Checkpointer],
+           init_distributed: bool) -> dict[str, Any]:
     if init_distributed:
         initialize_distributed(ParallelLayout(cfg.parallel.tp, cfg.parallel.pp), seed=cfg.run.seed)
     rank0 = dist.get_rank() == 0

@@ -211,12 +211,13 @@ def test_native_caches_and_saves_bf16_not_fp32():
 
 
 def test_gemm_path_selects_and_restores():
-    from megatron_calibclip.fp8.gemm import gemm_path, set_gemm_path
+    from megatron_calibclip.fp8.gemm import gemm_path, native_bf16_gemms, set_gemm_path
 
-    assert gemm_path() == "native"
-    with using_gemm_path("fp32"):
-        assert gemm_path() == "fp32"
-    assert gemm_path() == "native"
+    default = "native" if native_bf16_gemms()[0] else "fp32"  # "auto"
+    assert gemm_path() == default
+    with using_gemm_path("exact"):
+        assert gemm_path() == "exact"
+    assert gemm_path() == default
     with pytest.raises(ValueError, match="not one of"):
         set_gemm_path("fast")
 
@@ -252,3 +253,32 @@ def test_native_path_stays_within_its_stated_bound(kw):
     for got, want, k in ((dx, dxe, 200), (dw, dwe, 200)):
         assert torch.equal(got, got.bfloat16().float())  # BF16 outputs
         assert _bf16_steps_beyond(got, want, k) <= 1.0 + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_codes_to_bf16_gives_the_conversion_bits_of_every_code(dtype):
+    """The CPU table gather is the native GEMMs' operand conversion; it must give the bits of
+    torch's own float8 -> bf16 conversion for all 256 codes (NaN, +-0, subnormals, max), in
+    any contiguous shape; a non-contiguous view takes torch's conversion."""
+    from megatron_calibclip.fp8.formats import codes_to_bf16
+
+    every = torch.arange(256, dtype=torch.uint8).view(dtype)
+    assert torch.equal(codes_to_bf16(every).view(torch.int16), every.to(torch.bfloat16).view(torch.int16))
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (37, 130), generator=g, dtype=torch.uint8).view(dtype)
+    for x in (codes, codes.t(), codes[:, 3:77]):
+        got = codes_to_bf16(x)
+        assert got.shape == x.shape and got.dtype == torch.bfloat16
+        assert torch.equal(got.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+
+
+def test_auto_takes_native_only_where_bf16_gemms_are_native(monkeypatch):
+    """On an AVX2-only CPU torch's BF16 GEMM is emulated (measured 8x slower than fp32 at
+    SmolLM2's shapes): "auto" must not pick the BF16 kernels there."""
+    from megatron_calibclip.fp8 import gemm
+
+    for native, expected in ((True, "native"), (False, "fp32")):
+        monkeypatch.setattr(gemm, "native_bf16_gemms", lambda n=native: (n, "probe"))
+        assert gemm.resolve_gemm_path("auto") == (expected, f"auto: probe" + (
+            "" if native else ", so fp32 GEMMs"))
+        assert gemm.resolve_gemm_path("exact") == ("exact", "requested")

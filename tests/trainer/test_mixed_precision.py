@@ -86,10 +86,15 @@ def test_bf16_params_match_the_fp32_flow(dist_pool, tmp_path):
     # what was allocated, and what each run directory says it got
     import yaml
 
+    from megatron_calibclip.fp8.gemm import native_bf16_gemms
+
     for name, dtype in (("fp32", "fp32"), ("bf16", "bf16"), ("bf16-distopt", "bf16")):
         resolved = yaml.safe_load((tmp_path / name / "resolved.yaml").read_text())
         code = {k: resolved.pop(k) for k in ("code.commit", "code.dirty")}  # the checkout's git state
         assert code["code.dirty"] in ("true", "false", "unknown")
+        native, why = native_bf16_gemms()  # run.gemm_path auto: the hardware's choice, and why
+        assert resolved.pop("gemm_path") == f"{'native' if native else 'fp32'} (auto: {why}" + (
+            ")" if native else ", so fp32 GEMMs)")
         assert resolved == {"device": "cpu", "params_dtype": dtype, "fp8.backend": "emulated",
                             "rollout.fp8.backend": "emulated"}
     assert {p.dtype for p in b_seen["params"].values()} == {torch.bfloat16}

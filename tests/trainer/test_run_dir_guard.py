@@ -69,3 +69,20 @@ def test_config_differences_ignore_length_and_display_fields():
     current = {"run": {"steps": 8, "plot": False, "seed": 0}, "optimizer": {"lr": 1e-3}, "new": 2}
     assert config_differences(saved, current) == []
     assert config_differences(saved, {**current, "optimizer": {"lr": 2e-3}}) == ["optimizer.lr"]
+
+
+def test_run_gemm_path_holds_for_the_run_and_is_restored(monkeypatch):
+    """run.gemm_path: the run's GEMMs take the named path (whatever $CALIBCLIP_GEMM says);
+    the process's path is restored afterwards (in-process callers, tests); auto defers."""
+    from megatron_calibclip.config import from_dict
+    from megatron_calibclip.fp8.gemm import gemm_path
+    from megatron_calibclip.trainer import TrainConfig, loop
+    from tests.train_configs import TINY_TRAIN, merge
+
+    seen = []
+    monkeypatch.setattr(loop, "_train", lambda cfg, ckpt, init: seen.append(gemm_path()) or {})
+    monkeypatch.setenv("CALIBCLIP_GEMM", "native")
+    for path in ("fp32", "exact", "auto"):
+        loop.train(from_dict(TrainConfig, merge(TINY_TRAIN, {"run": {"gemm_path": path}})))
+    assert seen == ["fp32", "exact", "native"]
+    assert gemm_path() == "native"
