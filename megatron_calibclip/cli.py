@@ -18,17 +18,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
     import megatron_calibclip
     from megatron_calibclip import patches
 
-    mcore = importlib.util.find_spec("megatron.core")
-    version = "missing"
-    if mcore is not None:
-        import megatron.core
+    from megatron_calibclip import compat
 
-        version = megatron.core.__version__
+    # the release from the package metadata: 0.19's `megatron.core.__version__` appends the git
+    # commit of any repository its files sit in (a venv inside a clone: "0.19.2+c5395fd")
+    version = compat.megatron_version()
     te = importlib.util.find_spec("transformer_engine") is not None
     print(f"megatron-calibclip {megatron_calibclip.__version__}")
     print(f"torch {torch.__version__} (CUDA available: {torch.cuda.is_available()})")
-    from megatron_calibclip import compat
-
     print(f"megatron-core {version}: {compat.line_status()} (supported lines: "
           f"{compat.supported_lines_text()}; CPU patch table {patches.MADE_FOR_MEGATRON_CORE})")
     print(f"transformer-engine: {'installed' if te else 'not installed'}")

@@ -214,7 +214,9 @@ def apply_cpu_patches(force: bool = False) -> bool:
         return False
     import megatron.core
 
-    version = getattr(megatron.core, "__version__", "unknown")
+    from .sites import installed_release
+
+    version = installed_release()  # metadata: 0.19's __version__ may carry "+<git sha>"
     if version != MADE_FOR_MEGATRON_CORE:
         warnings.warn(
             f"megatron_calibclip.patches were made for megatron-core {MADE_FOR_MEGATRON_CORE}, "

@@ -29,7 +29,6 @@ from typing import Any, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.distributed as dist
-import megatron.core
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -195,7 +194,7 @@ class CheckpointManager:
                 layout=ParallelSizes.current(),
                 contents=tuple(contents),
                 model_config=None if cfg is None else dataclasses.asdict(cfg),
-                megatron_core=getattr(megatron.core, "__version__", ""),
+                megatron_core=compat.megatron_version(),  # the release, without a git suffix
             ).write(tmp)
         dist.barrier()
         committed = [None]

@@ -35,6 +35,10 @@ OVERRIDES = [
     "warmup.steps=2", "algorithm.prompts_per_step=8", "algorithm.mini_batches=2",
     "algorithm.micro_batch_size=8", "algorithm.logprob_micro_batch_size=16",
     "clipping.calibration.period=2",
+    # the GEMM path the fixtures were written with (the default then); "auto" would take
+    # fp32 GEMMs on a CPU without native BF16 ones, whose step differs by ~2e-4 with torch's
+    # CUDA wheel (measured on the Python 3.12 leg)
+    "run.gemm_path=native",
 ]
 
 
@@ -59,7 +63,6 @@ def step_record(run_dir: Path, step: int) -> dict:
 
 
 def write(out_root: Path = DATA) -> Path:
-    import megatron.core
     import torch
 
     work = Path(out_root) / ".work"
@@ -71,13 +74,15 @@ def write(out_root: Path = DATA) -> Path:
         if steps == 2:
             snapshot = work / "snapshot"
             shutil.copytree(work / RUN / "checkpoints", snapshot)
-    out = Path(out_root) / f"megatron-core-{megatron.core.__version__}"
+    from megatron_calibclip.compat import megatron_version
+
+    out = Path(out_root) / f"megatron-core-{megatron_version()}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     shutil.copytree(snapshot, out / "checkpoints")
     (out / "next_step.json").write_text(json.dumps(step_record(work / RUN, 2), indent=1) + "\n")
     (out / "written_by.json").write_text(json.dumps({
-        "megatron_core": megatron.core.__version__, "torch": torch.__version__,
+        "megatron_core": megatron_version(), "torch": torch.__version__,
         "python": platform.python_version()}, indent=1) + "\n")
     shutil.rmtree(work)
     return out
