@@ -35,9 +35,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     backend, why = resolve_backend("auto")
     print(f"FP8 backend for fp8.backend=auto: {backend} ({why[len('auto: '):]})")
-    from megatron_calibclip.fp8.gemm import requested_gemm_path, resolve_gemm_path
+    from megatron_calibclip.fp8.gemm import gemm_path_and_why
 
-    path, why = resolve_gemm_path(requested_gemm_path())
+    path, why = gemm_path_and_why()
     print(f"GEMM path of our linears: {path} ({why}; CALIBCLIP_GEMM=auto|native|exact|fp32, "
           "fp8/README.md)")
     return 0

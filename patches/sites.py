@@ -11,10 +11,11 @@ lines); only the list of sites to watch differs.
 """
 from __future__ import annotations
 
-import importlib.metadata
 import json
 from functools import lru_cache
 from pathlib import Path
+
+from megatron_calibclip.compat import megatron_line, megatron_version
 
 RELEASES_DIR = Path(__file__).with_name("releases")
 
@@ -32,16 +33,8 @@ SUPPORTED_RELEASES: tuple[str, ...] = tuple(sorted(
     key=_version_key))
 
 
-def installed_release() -> str:
-    """megatron-core's version from the package metadata (megatron itself is not imported)."""
-    try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _line(version: str) -> tuple[int, ...]:
-    return _version_key(version)[:2]
+# megatron-core's release from its package metadata (megatron itself is not imported)
+installed_release = megatron_version
 
 
 def table_release(version: str) -> str:
@@ -49,7 +42,8 @@ def table_release(version: str) -> str:
     supported release of an earlier or equal line (the patches warn that it is untested)."""
     if version in SUPPORTED_RELEASES:
         return version
-    earlier = [r for r in SUPPORTED_RELEASES if _line(r) <= _line(version)]
+    line = _version_key(megatron_line(version))
+    earlier = [r for r in SUPPORTED_RELEASES if _version_key(megatron_line(r)) <= line]
     return earlier[-1] if earlier else SUPPORTED_RELEASES[0]
 
 

@@ -88,9 +88,15 @@ def requested_gemm_path() -> str:
     return value
 
 
+def gemm_path_and_why() -> tuple[str, str]:
+    """(the path in force, why): the requested one, "auto" resolved (calibclip info,
+    resolved.yaml)."""
+    return resolve_gemm_path(requested_gemm_path())
+
+
 def gemm_path() -> str:
     """The path in force ("native", "exact" or "fp32"): the requested one, "auto" resolved."""
-    return resolve_gemm_path(requested_gemm_path())[0]
+    return gemm_path_and_why()[0]
 
 
 def set_gemm_path(path: Optional[str]) -> None:

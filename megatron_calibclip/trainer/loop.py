@@ -83,9 +83,9 @@ def resolved_settings(cfg: TrainConfig, c: Components) -> dict[str, str]:
     from megatron_calibclip.fp8.backend import resolve_backend
     from megatron_calibclip.trainer.provenance import code_version
 
-    from megatron_calibclip.fp8.gemm import requested_gemm_path, resolve_gemm_path
+    from megatron_calibclip.fp8.gemm import gemm_path_and_why
 
-    path, why = resolve_gemm_path(requested_gemm_path())
+    path, why = gemm_path_and_why()
     out = {"device": str(c.device), "params_dtype": cfg.model.resolved_params_dtype(),
            "gemm_path": f"{path} ({why})"}
     for section, recipe in cfg.fp8_recipes_in_use():
