@@ -8,9 +8,12 @@
   scaling (what `_scaled_mm` takes on every device, CPU included; the dtype pairs and
   layouts each device accepts are in fp8/scaled_mm.py); blockwise and mxfp8 need torch's
   block-scaled kernels and are refused here.
-- `te`: Transformer Engine's layers (fp8/te.py maps the recipe); needs CUDA and TE.
-- `auto`: te with CUDA and TE installed, else torch with CUDA, else emulated (for a run: te
-  only once the trainer builds TE's layer spec, TRAINER_BUILDS_TE below).
+- `te`: megatron-core's Transformer Engine layer spec, built by the trainer for policy and
+  reference (trainer/te_run.py); fp8/te.py maps the recipe onto TransformerConfig and
+  megatron's own FP8 context runs it. Needs CUDA and TE.
+- `auto`: te with CUDA and TE installed (torch instead for a recipe TE cannot express:
+  `run_backend`), else torch with CUDA, else emulated. One of our linears never runs te:
+  for them `auto` is torch with CUDA, else emulated (`linear_backend`).
 
 `resolve_backend` says which one a run gets and why (`calibclip info` prints it); the
 trainer's config calls it, so a backend that cannot run here fails before anything starts.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from typing import Optional
 
 import torch
 
@@ -38,19 +42,13 @@ def _machine() -> tuple[bool, bool, bool]:
             hasattr(torch, "_scaled_mm"))
 
 
-# The trainer builds its own FP8 linears (the emulated layer spec, whose GEMMs run emulated
-# or through torch._scaled_mm); Transformer Engine's layer spec is not wired into it yet, so
-# `auto` does not pick te for a run, and an explicit `te` is refused at config time.
-TRAINER_BUILDS_TE = False
-
-
 @functools.lru_cache(maxsize=None)
 def _resolve(requested: str, cuda: bool, te: bool, scaled_mm: bool, *,
              for_run: bool = True) -> tuple[str, str]:
     """for_run: what a training run may use (config time); False: what one of our linears
     executes (the same answer, except that `torch` also runs on the CPU: the tests compare
-    it with the emulation there). Never `te` for `auto` while the trainer builds our own
-    linears: config check and forward must agree."""
+    it with the emulation there, and `auto` is never te: a model with our linears was not
+    built from TE's spec)."""
     if requested not in BACKEND_VALUES:
         raise ConfigError(f"fp8.backend: {requested!r} is not one of {list(BACKEND_VALUES)}")
     if requested == "emulated":
@@ -62,10 +60,6 @@ def _resolve(requested: str, cuda: bool, te: bool, scaled_mm: bool, *,
             instead = "'torch' or 'auto'" if cuda else "'emulated' or 'auto'"
             raise ConfigError(f"fp8.backend: 'te' needs a CUDA device and transformer-engine "
                               f"(missing here: {missing}); use {instead}")
-        if for_run and not TRAINER_BUILDS_TE:
-            raise ConfigError("fp8.backend: 'te' is not wired into the trainer yet (it builds "
-                              "its own FP8 linears); use 'torch' (real FP8 GEMMs on the GPU) or "
-                              "'auto'")
         return "te", "requested"
     if requested == "torch":
         if not scaled_mm:
@@ -75,11 +69,10 @@ def _resolve(requested: str, cuda: bool, te: bool, scaled_mm: bool, *,
             raise ConfigError("fp8.backend: 'torch' runs real FP8 GEMMs on a CUDA device and "
                               "there is none here; use 'emulated' or 'auto' on the CPU")
         return "torch", "requested"
-    if cuda and te and TRAINER_BUILDS_TE:
+    if cuda and te and for_run:  # the trainer then builds TE's layer spec
         return "te", "auto: CUDA and transformer-engine are available"
     if cuda and scaled_mm:
-        why = "CUDA without transformer-engine" if not te else \
-            "CUDA; the trainer's Transformer Engine spec is not wired yet"
+        why = "CUDA without transformer-engine" if not te else "CUDA, one of our linears"
         return "torch", f"auto: {why}, so torch._scaled_mm"
     return "emulated", "auto: no CUDA device, so the CPU emulation"
 
@@ -90,6 +83,38 @@ def resolve_backend(requested: str) -> tuple[str, str]:
     return _resolve(requested, *_machine())
 
 
+def te_refusal(recipe) -> Optional[str]:
+    """Why Transformer Engine cannot run `recipe` (one line naming the alternative), or None."""
+    from megatron_calibclip.fp8.te import te_config_kwargs
+
+    try:
+        te_config_kwargs(recipe)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def run_backend(requested: str, recipe=None, *, machine: Optional[tuple] = None
+                ) -> tuple[str, str]:
+    """(backend, why) for a run's FP8 section `recipe` (fp8.backend = requested): as
+    `resolve_backend`, except that `auto` takes torch where TE cannot express the recipe
+    (rowwise, a subset of linears), and an explicit `te` is refused for such a recipe in one
+    line. machine: (CUDA, TE, _scaled_mm) to answer for another machine (the planner)."""
+    cuda, te, scaled_mm = machine if machine is not None else _machine()
+    backend, why = _resolve(requested, cuda, te, scaled_mm)
+    if backend != "te" or recipe is None:
+        return backend, why
+    refusal = te_refusal(recipe)
+    if refusal is None:
+        return backend, why
+    if requested == "te":
+        raise ConfigError(f"fp8.backend: 'te' cannot run this recipe ({refusal}); set "
+                          f"fp8.backend to 'torch' (real FP8 GEMMs through torch._scaled_mm) "
+                          f"or 'emulated'")
+    first = refusal.split(":")[0]
+    return "torch", f"auto: CUDA and transformer-engine, but {first} has no TE recipe, so torch._scaled_mm"
+
+
 def linear_backend(requested: str) -> str:
     """The backend one of our FP8 linears executes for `requested`: as a run would, except
     that `torch` also runs on the CPU (torch's CPU _scaled_mm; the tests use it)."""
@@ -97,10 +122,20 @@ def linear_backend(requested: str) -> str:
 
 
 def check_backend_supports(backend: str, granularity: str) -> None:
-    """ConfigError when `backend` cannot run this scaling granularity."""
+    """ConfigError when `backend` cannot run this scaling granularity (te: a recipe's other
+    fields are checked by `run_backend`)."""
+    if backend == "te":
+        from megatron_calibclip.fp8.te import TE_GRANULARITIES
+
+        if granularity not in TE_GRANULARITIES:
+            raise ConfigError(
+                f"fp8.backend resolves to 'te' here, which runs {', '.join(TE_GRANULARITIES)} "
+                f"scaling; {granularity!r} exists only in our linears: set fp8.backend to "
+                f"'torch' or 'emulated'")
     if backend == "torch" and granularity not in TORCH_GRANULARITIES:
         raise ConfigError(
             f"fp8.backend resolves to 'torch' here, which runs {', '.join(TORCH_GRANULARITIES)} "
-            f"scaling; {granularity!r} needs torch's block-scaled GEMMs, not wired yet: set "
-            f"fp8.granularity to tensorwise or rowwise, or fp8.backend to 'emulated' "
-            f"(exact numerics, fp32 GEMMs: slow on a GPU)")
+            f"scaling; {granularity!r} needs torch's block-scaled GEMMs, not wired yet: "
+            f"install transformer-engine (pip install '.[gpu]'; fp8.backend auto then takes "
+            f"te), or set fp8.granularity to tensorwise or rowwise, or fp8.backend to "
+            f"'emulated' (exact numerics, fp32 GEMMs: slow on a GPU)")

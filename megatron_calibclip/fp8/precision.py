@@ -106,6 +106,13 @@ def set_precision(
             apply_te_precision(cfg, mode, new_recipe)
     state.mode = mode
     state.recipe = new_recipe
+    if te_configs and mode == "fp8" and hasattr(model, "set_is_first_microbatch"):
+        # TE keeps the FP8 copy of each weight it quantized while is_first_microbatch is
+        # False (megatron's TELinear.forward passes the flag, then clears it); megatron's
+        # schedule sets it only for the first micro-batch of each forward_backward call
+        # (schedules.forward_step). A forward in FP8 that enters here (after the BF16 shadow
+        # pass, after an optimizer step) must quantize the current weights: set it for all.
+        model.set_is_first_microbatch()
     for m in precision_aware_modules(model):
         m.precision_state = state
     setattr(model, _ATTR, state)

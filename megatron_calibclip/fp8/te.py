@@ -1,4 +1,4 @@
-"""The same FP8Recipe on GPU: megatron-core 0.16.1 TransformerConfig fields and TE autocast.
+"""The same FP8Recipe on GPU: megatron-core TransformerConfig fields and TE autocast.
 
 Why a pure mapping: which config fields a recipe sets (and which recipes TE cannot express)
 must be testable on a CPU machine without Transformer Engine. Only `te_fp8_recipe` and
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
+import sys
 from typing import Any, Iterator, Optional
 
 import torch
@@ -34,13 +36,12 @@ def te_config_kwargs(recipe: FP8Recipe) -> dict[str, Any]:
     """TransformerConfig keyword arguments that make megatron-core run `recipe` through TE.
 
     Raises ConfigError (naming the field and what TE allows) for settings that megatron-core
-    0.16.1 + TE cannot express; those exist only in the emulation.
+    (0.16.1 and 0.19.x alike) + TE cannot express; those exist only in our linears.
     """
     if recipe.granularity not in TE_GRANULARITIES:
         raise ConfigError(
             f"fp8.granularity: {recipe.granularity!r} has no Transformer Engine recipe in "
-            f"megatron-core 0.16.1; allowed on the TE path: {list(TE_GRANULARITIES)} "
-            f"(rowwise exists only in the emulation)"
+            f"megatron-core; allowed on the TE path: {list(TE_GRANULARITIES)}"
         )
     if set(recipe.linears) != set(LINEAR_VALUES):
         raise ConfigError(
@@ -49,7 +50,7 @@ def te_config_kwargs(recipe: FP8Recipe) -> dict[str, Any]:
         )
     if not recipe.fp8_wgrad and recipe.granularity != "delayed":
         raise ConfigError(
-            "fp8.fp8_wgrad: megatron-core 0.16.1 honours fp8_wgrad=False only for the delayed "
+            "fp8.fp8_wgrad: megatron-core honours fp8_wgrad=False only for the delayed "
             "recipe; allowed for this granularity: [True]"
         )
     if recipe.granularity == "delayed" and recipe.amax_reduction == "none":
@@ -82,6 +83,76 @@ def te_environment(recipe: FP8Recipe) -> dict[str, str]:
     if recipe.granularity == "tensorwise" and recipe.pow2_scales:
         env["NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"] = "1"  # newer TE releases only
     return env
+
+
+def te_token_multiple(recipe: FP8Recipe, tp: int = 1) -> int:
+    """What the token count of every TE FP8 GEMM must divide by: megatron's own alignment
+    (fp8_utils.get_fp8_align_size: 32 for mxfp8, else 16; TE's assert_dim_for_fp8_exec asks
+    8 of the token dimension and 16 of the hidden one), times TP (sequence parallelism
+    splits the tokens over the TP ranks)."""
+    from megatron.core.fp8_utils import get_fp8_align_size
+
+    return get_fp8_align_size(recipe.granularity) * max(1, tp)
+
+
+# FP8 GEMMs per compute capability, from TE's own checks (transformer_engine.pytorch
+# fp8/quantization: check_fp8_support >= 8.9; check_fp8_block_scaling_support: Hopper, 9.x,
+# with CUDA >= 12.9; check_mxfp8_support >= 10.0)
+_MIN_CAPABILITY = {"tensorwise": (8, 9), "delayed": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
+
+
+def te_device_problem(recipe: FP8Recipe, capability: tuple[int, int],
+                      cuda_version: Optional[str]) -> Optional[str]:
+    """One line saying why this GPU cannot run `recipe` through TE, or None."""
+    need = _MIN_CAPABILITY[recipe.granularity]
+    cc = f"{capability[0]}.{capability[1]}"
+    if tuple(capability) < need:
+        alternative = " (Hopper: fp8.granularity blockwise or tensorwise)" \
+            if recipe.granularity == "mxfp8" else ""
+        return (f"fp8.granularity: {recipe.granularity!r} needs compute capability >= "
+                f"{need[0]}.{need[1]}; this GPU has {cc}{alternative}")
+    if recipe.granularity == "blockwise":
+        if capability[0] != 9:
+            return (f"fp8.granularity: 'blockwise' runs on Hopper (9.x) in Transformer Engine; "
+                    f"this GPU has {cc}: use 'mxfp8'")
+        if cuda_version is not None and tuple(int(x) for x in cuda_version.split(".")[:2]) < (12, 9):
+            return (f"fp8.granularity: 'blockwise' needs CUDA >= 12.9 in Transformer Engine; "
+                    f"this torch was built with CUDA {cuda_version}")
+    return None
+
+
+def te_environment_problem(recipe: FP8Recipe) -> Optional[str]:
+    """One line when the environment Transformer Engine was (or will be) imported with does
+    not give `recipe`'s scales, or None.
+
+    Why: TE evaluates NVTE_FP8_BLOCK_SCALING_FP32_SCALES and
+    NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES into its recipe classes' defaults when it is
+    imported (transformer_engine/common/recipe: Float8BlockScaling.use_f32_scales,
+    Float8CurrentScaling.use_power_2_scales), and megatron-core builds those classes without
+    the scale fields (fp8_utils.get_fp8_recipe). Setting the variable after megatron-core
+    imported TE changes nothing, so it must be in the environment the job starts with."""
+    needed = te_environment(recipe)
+    te_recipes = sys.modules.get("transformer_engine.common.recipe")
+    if recipe.granularity == "blockwise":
+        name, want_pow2 = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES", recipe.pow2_scales
+        if te_recipes is not None:
+            pow2 = te_recipes.Float8BlockScaling.fp8_quant_fwd_inp.power_2_scale
+        else:
+            pow2 = os.environ.get(name, "0") != "1"
+    elif recipe.granularity == "tensorwise":
+        name, want_pow2 = "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", recipe.pow2_scales
+        if te_recipes is not None:
+            pow2 = bool(getattr(te_recipes.Float8CurrentScaling, "use_power_2_scales", False))
+        else:
+            pow2 = os.environ.get(name, "0") == "1"
+    else:
+        return None
+    if pow2 == want_pow2:
+        return None
+    value = needed.get(name, "0")
+    return (f"fp8.power_of_two_scales: Transformer Engine gives this {recipe.granularity} recipe "
+            f"{'power-of-two' if pow2 else 'fp32'} scales here; start the job with {name}={value} "
+            f"in its environment (TE reads it once, when megatron-core imports it)")
 
 
 def apply_te_precision(config: Any, mode: str, recipe: Optional[FP8Recipe]) -> None:

@@ -13,7 +13,12 @@ from megatron_calibclip.models.forward import (
     shifted_logprobs_entropy,
 )
 from megatron_calibclip.models.config import PRESETS, ModelConfig, get_preset
-from megatron_calibclip.models.layer_specs import emulated_layer_spec, layer_spec, local_layer_spec
+from megatron_calibclip.models.layer_specs import (
+    emulated_layer_spec,
+    layer_spec,
+    local_layer_spec,
+    te_layer_spec,
+)
 
 __all__ = [
     "PRESETS",
@@ -29,6 +34,7 @@ __all__ = [
     "get_preset",
     "layer_spec",
     "local_layer_spec",
+    "te_layer_spec",
     "place_on_device",
     "to_transformer_config",
 ]

@@ -52,13 +52,35 @@ def emulated_layer_spec(cfg: ModelConfig) -> ModuleSpec:
 
 
 def te_layer_spec(cfg: ModelConfig) -> ModuleSpec:
-    """megatron's Transformer Engine spec (fused norm+linear, TE attention, FP8-capable)."""
+    """megatron's Transformer Engine spec (fused norm+linear, TE attention, FP8-capable),
+    with the padding-aware causal mask our batches need (`with_padding_causal_mask`)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_norm)
+    spec = with_padding_causal_mask(get_gpt_layer_with_transformer_engine_spec(
+        qk_layernorm=cfg.qk_norm))
     spec.calibclip_backend = "te"  # read by build_gpt_model (spec_backend)
+    return spec
+
+
+def with_padding_causal_mask(spec: ModuleSpec) -> ModuleSpec:
+    """A copy of `spec` whose self-attention masks causally and by our key padding.
+
+    Why: our batches are left-padded and carry a bool key-padding mask [b, 1, 1, s], True =
+    masked out (rollout/batch.py). megatron's specs declare attn_mask_type=causal, and
+    Attention.forward hands that type to core attention; TE's DotProductAttention ignores
+    attention_mask for "causal" (its docstring: the mask "should be 'None' for 'causal'"), so
+    prompts would attend to their padding. "padding_causal" takes exactly our mask ("[batch_size,
+    1, 1, seqlen_q] for self-attention ... True means the corresponding position is masked
+    out"); megatron's TEDotProductAttention.forward passes the type through
+    (attn_mask_type.name). Our SDPAttention (local spec) applies both anyway."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    spec = copy.deepcopy(spec)
+    spec.submodules.self_attention.params = {
+        **(spec.submodules.self_attention.params or {}),
+        "attn_mask_type": AttnMaskType.padding_causal}
     return spec
 
 

@@ -34,7 +34,6 @@ from megatron_calibclip.models import (
     build_reference_model,
     copy_weights,
     get_preset,
-    emulated_layer_spec,
     place_on_device,
 )
 from megatron_calibclip.parallel.devices import HOST, compute_device, model_device
@@ -42,6 +41,7 @@ from megatron_calibclip.rl import ReasoningGymReward, math_reward
 from megatron_calibclip.rollout import RolloutEngine
 from megatron_calibclip.trainer.config import TrainConfig
 from megatron_calibclip.trainer.rollout_factory import build_rollout_engine
+from megatron_calibclip.trainer.te_run import prepare_te_model, trainer_backend, trainer_layer_spec
 
 
 @dataclass
@@ -160,7 +160,7 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
 
         heldout = heldout_prompts(cfg, records, tokenizer)
 
-    spec = emulated_layer_spec(model_cfg)
+    spec = trainer_layer_spec(cfg, model_cfg)  # megatron's TE spec, or ours (te_run.py)
     bf16_params = cfg.model.resolved_params_dtype() == "bf16"
     device = compute_device()
     policy = build_policy_model(model_cfg, spec=spec, seed=cfg.run.seed,
@@ -179,6 +179,8 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
     copy_weights(policy, reference)
     set_precision(reference, "bf16" if ref_dtype == torch.bfloat16 else "fp32")
     set_precision(policy, cfg.precision, cfg.fp8)
+    if trainer_backend(cfg) == "te":
+        prepare_te_model(policy, cfg)
     if cfg.model.offload_reference and device.type != "cpu":
         place_on_device(reference, HOST)  # visits the GPU only for its forward (step.py)
 

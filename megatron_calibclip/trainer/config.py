@@ -339,17 +339,20 @@ class TrainConfig:
     def _check_fp8_backends(self) -> None:
         """A backend this machine cannot run, or one that cannot run the recipe, fails here
         (one line), not at the first FP8 forward."""
-        from megatron_calibclip.fp8.backend import check_backend_supports, resolve_backend
+        from megatron_calibclip.fp8.backend import check_backend_supports, run_backend
+        from megatron_calibclip.trainer.te_run import check_te_run, trainer_backend
 
         for section, recipe in self.fp8_recipes_in_use():  # an unread recipe is not checked
             if section == "rollout.fp8" and self.rollout.engine == "vllm":
                 continue  # vLLM's own FP8 kernels run it (rollout/vllm_settings.py)
             try:
-                backend, _ = resolve_backend(recipe.backend)
+                backend, _ = run_backend(recipe.backend, recipe)
                 check_backend_supports(backend, recipe.granularity)
             except ConfigError as err:  # name the section the recipe came from
                 message = str(err).removeprefix("fp8.backend")
                 raise ConfigError(f"{section}.backend{message}") from None
+        if trainer_backend(self) == "te":
+            check_te_run(self)
 
     @property
     def rollout_recipe(self) -> FP8Recipe:

@@ -9,6 +9,11 @@ metrics then need no knowledge of stages).
 Micro-batches must share one shape under PP (the p2p buffers are preallocated), so a
 batch is padded with dummy rows (all padding, fully masked) to a multiple of the
 micro-batch size; dummy rows never reach a loss or a metric.
+
+Transformer Engine's FP8 GEMMs need token counts that divide by 16 (32 for MXFP8): a model
+built for them carries `calibclip_token_multiple` (trainer/te_run.py), and every
+micro-batch is then padded on the right (masked keys; under the causal mask no real token
+sees them) and its logits cut back before the loss.
 """
 from __future__ import annotations
 
@@ -65,17 +70,45 @@ def broadcast_from_last_stage(t: Optional[torch.Tensor], shape, dtype,
     return buf
 
 
+def token_multiple(model) -> int:
+    """What each micro-batch's sequence length must divide by for `model` (or the module
+    it wraps): 1, or what the trainer set for TE's FP8 GEMMs."""
+    while model is not None:
+        multiple = getattr(model, "calibclip_token_multiple", None)
+        if multiple:
+            return int(multiple)
+        model = getattr(model, "module", None)
+    return 1
+
+
+def pad_to_multiple(tokens: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                    multiple: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """tokens [b, s] (and the key-padding mask [b, 1, 1, s], True = masked) padded on the
+    right to a multiple of `multiple` columns; the new keys are masked."""
+    extra = -tokens.shape[1] % multiple
+    if not extra:
+        return tokens, attention_mask
+    tokens = torch.nn.functional.pad(tokens, (0, extra))
+    if attention_mask is not None:
+        attention_mask = torch.nn.functional.pad(attention_mask, (0, extra), value=True)
+    return tokens, attention_mask
+
+
 def run_schedule(model, micro_batches: list[dict], loss_fn: Callable, *, forward_only: bool,
                  seq_length: int) -> list[dict]:
     """Run megatron's schedule over `micro_batches`; returns the loss_fn outputs (last stage).
 
     loss_fn(micro_batch, logits) -> (loss 0-d tensor, dict of per-micro-batch outputs).
     """
+    multiple = token_multiple(model)
+
     def forward_step(data_iterator, mdl):
         mb = next(data_iterator)
-        out = mdl(mb["tokens"], position_ids_for(mb["tokens"]), mb.get("attention_mask"))
+        tokens, mask = pad_to_multiple(mb["tokens"], mb.get("attention_mask"), multiple)
+        out = mdl(tokens, position_ids_for(tokens), mask)
 
         def loss_func(logits):
+            logits = logits[:, :seq_length]  # the padding columns (if any) go here
             loss, outputs = loss_fn(mb, logits)
             return loss, torch.zeros((), dtype=torch.int, device=loss.device), outputs
 
@@ -86,7 +119,7 @@ def run_schedule(model, micro_batches: list[dict], loss_fn: Callable, *, forward
         data_iterator=iter(micro_batches),
         model=[model],
         num_microbatches=len(micro_batches),
-        seq_length=seq_length,
+        seq_length=seq_length + (-seq_length % multiple),
         micro_batch_size=micro_batches[0]["tokens"].shape[0],
         forward_only=forward_only,
     )

@@ -80,16 +80,17 @@ def resolved_settings(cfg: TrainConfig, c: Components) -> dict[str, str]:
     """The machine-dependent choices of this run (config.yaml keeps `auto`) and the code it
     runs: a run resumed on another machine or commit may differ, and resolved.yaml says what
     each start got."""
-    from megatron_calibclip.fp8.backend import resolve_backend
+    from megatron_calibclip.fp8.backend import run_backend
     from megatron_calibclip.trainer.provenance import code_version
 
     from megatron_calibclip.fp8.gemm import gemm_path_and_why
 
     path, why = gemm_path_and_why()
     out = {"device": str(c.device), "params_dtype": cfg.model.resolved_params_dtype(),
-           "gemm_path": f"{path} ({why})"}
+           "gemm_path": f"{path} ({why})",
+           "layer_spec": getattr(c.policy, "calibclip_backend", "unknown")}  # te | emulated
     for section, recipe in cfg.fp8_recipes_in_use():
-        out[f"{section}.backend"] = resolve_backend(recipe.backend)[0]
+        out[f"{section}.backend"] = run_backend(recipe.backend, recipe)[0]
     out.update(code_version())
     return out
 

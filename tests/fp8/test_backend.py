@@ -26,10 +26,10 @@ def _cuda_rules():
         yield checked
 
 
-# (requested, CUDA, TE installed) -> backend a run gets; the trainer does not build TE's
-# layer spec yet (TRAINER_BUILDS_TE), so `auto` takes torch on a GPU with TE
+# (requested, CUDA, TE installed) -> backend a run gets; with TE the trainer builds
+# megatron's TE layer spec (trainer/te_run.py)
 @pytest.mark.parametrize("requested, cuda, te, expected", [
-    ("auto", True, True, "torch"), ("auto", True, False, "torch"), ("auto", False, True, "emulated"),
+    ("auto", True, True, "te"), ("auto", True, False, "torch"), ("auto", False, True, "emulated"),
     ("auto", False, False, "emulated"), ("torch", True, False, "torch"),
     ("emulated", True, True, "emulated"),
 ])
@@ -40,9 +40,10 @@ def test_resolution_for_a_run(requested, cuda, te, expected):
 
 def test_resolution_for_a_linear():
     """One of our linears runs torch on the CPU too (what the tests below use); otherwise it
-    resolves as the config check did (a GPU with TE: torch, never te, for `auto`)."""
+    resolves as the config check did, except that `auto` is never te: a model with our
+    linears was not built from TE's spec."""
     assert _resolve("torch", False, False, True, for_run=False)[0] == "torch"
-    assert _resolve("auto", True, True, True, for_run=False)[0] == "torch"  # as the config check
+    assert _resolve("auto", True, True, True, for_run=False)[0] == "torch"
     assert _resolve("auto", False, True, True, for_run=False)[0] == "emulated"
 
 
@@ -50,7 +51,6 @@ def test_resolution_for_a_linear():
     ("te", False, True, "missing here: a CUDA device); use 'emulated' or 'auto'"),
     ("te", True, False, "missing here: transformer-engine); use 'torch' or 'auto'"),
     ("te", False, False, "missing here: a CUDA device, transformer-engine)"),
-    ("te", True, True, "'te' is not wired into the trainer yet"),
     ("torch", False, True, "'torch' runs real FP8 GEMMs on a CUDA device and there is none"),
 ])
 def test_backends_a_run_cannot_use_are_refused(requested, cuda, te, message):

@@ -207,22 +207,49 @@ def test_the_recipes_are_the_bundled_configs():
         assert recipe.resolve() == REPO / "megatron_calibclip" / "configs" / recipe.name
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigError,
-                   reason="blockwise FP8 on a GPU needs TE's spec in the trainer "
-                          "or torch's block-scaled GEMMs (issue 11 item 3)")
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-@pytest.mark.parametrize("te", [True, False], ids=["with-te", "without-te"])
-def test_each_recipe_can_run_on_an_h100(recipe, te):
-    """What the config check answers on an H100 node (CUDA, torch._scaled_mm), with and
-    without Transformer Engine installed."""
-    from megatron_calibclip.cli import load_train_config
-    from megatron_calibclip.fp8.backend import _resolve, check_backend_supports
+H100 = (True, True, True)  # (CUDA, transformer-engine, torch._scaled_mm) with the gpu extra
 
-    # the rollout's FP8 runs in vLLM (fp8_per_block: tests/rollout/test_vllm_settings.py);
-    # what is asked here is the trainer's recipe on our backends
+
+def _recipe_as_on_an_h100(recipe):
+    """The recipe as the config check reads it on an H100 node: loaded here with the megatron
+    engine (the CPU refuses vLLM's FP8 rollout when a config is read), then given back its
+    vLLM rollout, and `params_dtype: auto` resolved as on CUDA."""
+    from megatron_calibclip.cli import load_train_config
+
     cfg = load_train_config(str(recipe), ["rollout.engine=megatron"])
-    backend, _ = _resolve(cfg.fp8.backend, True, te, True)
+    cfg.rollout.engine = "vllm"
+    assert cfg.model.params_dtype in ("auto", "bf16")
+    cfg.model.params_dtype = "bf16"
+    return cfg
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_each_recipe_can_run_on_an_h100(recipe):
+    """With the gpu extra the trainer builds megatron's TE spec for the recipe, TE expresses
+    it, and the run starts on Hopper (compute capability 9.0, CUDA 12.9)."""
+    from megatron_calibclip.fp8.backend import check_backend_supports, run_backend
+    from megatron_calibclip.trainer.te_run import check_te_run, trainer_backend
+
+    cfg = _recipe_as_on_an_h100(recipe)
+    backend, why = run_backend(cfg.fp8.backend, cfg.fp8, machine=H100)
+    assert backend == "te", why
     check_backend_supports(backend, cfg.fp8.granularity)
+    assert trainer_backend(cfg, machine=H100) == "te"
+    check_te_run(cfg, device=((9, 0), "12.9"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_without_te_an_h100_recipe_is_refused_in_one_line_naming_the_gpu_extra(recipe):
+    """Without transformer-engine `auto` takes torch._scaled_mm, whose block-scaled GEMMs are
+    not wired: the config check says so, and how to get TE, in one line."""
+    from megatron_calibclip.fp8.backend import check_backend_supports, run_backend
+
+    cfg = _recipe_as_on_an_h100(recipe)
+    backend, _ = run_backend(cfg.fp8.backend, cfg.fp8, machine=(True, False, True))
+    assert backend == "torch"
+    with pytest.raises(ConfigError) as err:
+        check_backend_supports(backend, cfg.fp8.granularity)
+    assert "pip install '.[gpu]'" in str(err.value) and "\n" not in str(err.value)
 
 
 # --- command line ------------------------------------------------------------------------------

@@ -96,7 +96,7 @@ def test_bf16_params_match_the_fp32_flow(dist_pool, tmp_path):
         assert resolved.pop("gemm_path") == f"{'native' if native else 'fp32'} (auto: {why}" + (
             ")" if native else ", so fp32 GEMMs)")
         assert resolved == {"device": "cpu", "params_dtype": dtype, "fp8.backend": "emulated",
-                            "rollout.fp8.backend": "emulated"}
+                            "rollout.fp8.backend": "emulated", "layer_spec": "emulated"}
     assert {p.dtype for p in b_seen["params"].values()} == {torch.bfloat16}
     assert {p.dtype for p in f_seen["params"].values()} == {torch.float32}
     assert b_seen["optimizers"] == ["Float16OptimizerWithFloat16Params"]
