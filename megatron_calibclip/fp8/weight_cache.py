@@ -207,6 +207,17 @@ def _same(fresh: WeightOperands, cached: WeightOperands) -> bool:
     return True
 
 
+def _same_delayed_scale(state: AmaxHistory, entry: WeightOperands) -> bool:
+    """Whether delayed scaling's current scale is the one the cached codes were made with.
+    Only asked on the CPU, where comparing values costs nothing; on an accelerator the answer
+    would wait for the device (a host synchronisation per linear per forward), so there a
+    delayed-scaling weight is re-quantized instead: the same operands, and cheap next to
+    its GEMM."""
+    if entry.scale.device.type != "cpu" or state.scale.device.type != "cpu":
+        return False
+    return torch.equal(state.scale, entry.scale)
+
+
 class WeightCache:
     """One linear's cache: a single entry, replaced when its key no longer matches."""
 
@@ -231,7 +242,7 @@ class WeightCache:
                weight.device, _epoch, recipe)
         entry = self._entry
         hit = entry is not None and self._key == key and (
-            state is None or torch.equal(state.scale.to(entry.scale.device), entry.scale))
+            state is None or _same_delayed_scale(state, entry))
         if not hit:
             self.builds += 1
             self._key, self._entry = key, _build(weight, recipe, state)

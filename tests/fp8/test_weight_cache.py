@@ -183,3 +183,27 @@ def test_a_bad_policy_in_the_environment_is_one_line(monkeypatch, capsys, tmp_pa
     err = capsys.readouterr().err
     assert err.startswith("calibclip: CALIBCLIP_WEIGHT_CACHE='sometimes'") and len(err.splitlines()) == 1
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_a_delayed_scaling_hit_on_an_accelerator_does_not_read_scales_on_the_host():
+    """A cache hit under delayed scaling compared the scale the codes were made with to the
+    current one with torch.equal: on a GPU a host synchronisation per linear per forward.
+    Off the CPU the weight is re-quantized instead (same operands: a miss rebuilds them).
+    The meta device stands in for the accelerator: torch.equal cannot run there at all."""
+    from megatron_calibclip.fp8.delayed import AmaxHistory
+    from megatron_calibclip.fp8.formats import E4M3
+    from megatron_calibclip.fp8.weight_cache import WeightCache, set_weight_cache_policy
+
+    recipe = FP8Recipe(format="hybrid", granularity="delayed", amax_history_len=4)
+    set_weight_cache_policy("on")
+    try:
+        for device, builds in (("cpu", 2), ("meta", 3)):
+            weight = torch.nn.Parameter(torch.ones(32, 16, device=device))
+            state = AmaxHistory(E4M3, 4, "max", 0)
+            cache = WeightCache()
+            for _ in range(3):
+                cache.operands(weight, recipe, state)
+            # CPU: the scale moves at the first record (1 -> from amax 1), then holds: one hit
+            assert (cache.builds, state.updates) == (builds, 3), device
+    finally:
+        set_weight_cache_policy(None)
