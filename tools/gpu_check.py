@@ -1,13 +1,20 @@
 #!/usr/bin/env python
-"""A prepared GPU check: quantizer vs backend, emulated vs native FP8, batch invariance,
-GRPO steps in BF16 and FP8 with Calibrated Clipping, FP8/BF16 step throughput; one JSON.
+"""A prepared GPU check: quantizer and FP8 GEMMs vs independent references, emulated vs
+native FP8 (forward and backward), batch invariance, Transformer Engine vs our emulation,
+FP8/BF16 step throughput, GRPO steps in BF16 and FP8 with Calibrated Clipping; one JSON.
 
     python tools/gpu_check.py --out DIR              # one H100/H200, at most ~8 minutes
     python tools/gpu_check.py --smoke --out DIR      # the same paths, tiny shapes, on a CPU
 
-Writes DIR/gpu_check.json. Exit 0: every section that ran passed its thresholds (recorded in
-the JSON); 1: a section failed (its error or figures are in the JSON); 2: cannot run here.
-See docs/gpu.md (how to bring megatron-core to a GPU machine without network).
+Writes DIR/gpu_check.json. It cannot pass by mistake: a case that did not run (a refusal, a
+missing backend or an exception) fails its section. The one exception is a `--smoke` run on
+the CPU, which may leave unrun what a CPU cannot do (no CUDA, no transformer-engine, no
+block-scaled F.scaled_mm); those cases are listed in the report's "not_run". On a GPU, only
+a recipe its compute capability lacks (mxfp8 before 10.0, blockwise off Hopper) is excused,
+listed under "not_supported_by_this_gpu". Exit 0: every section passed (and, outside
+--smoke, nothing was left unrun); 1: a section failed (its error, figures or unrun cases are
+in the JSON); 2: cannot run here. Sections: megatron_calibclip/bench/gpu_check/__init__.py;
+see docs/gpu.md (how to bring megatron-core to a GPU machine without network).
 """
 from __future__ import annotations
 

@@ -6,6 +6,12 @@ itself runs on the device. Prompts are one-digit sums written to a JSONL in a te
 folder (no task package needed), the tokenizer is trained on them, rewards are exact-answer
 math rewards. A random model earns almost no reward: the thresholds are about the run
 completing with finite numbers and calibrating when it should, not about learning.
+
+The trainer decides its own path (`fp8.backend: auto`): on a GPU with transformer-engine
+it builds megatron's TE spec and refuses `rollout.engine: megatron` (trainer/te_run.py
+check_te_run), so this section then rolls out with vLLM, as the H100 recipes do; without
+vLLM installed the section fails with that one line. On the CPU (and on a GPU without TE)
+it runs our emulated-linear spec with the megatron rollout engine.
 """
 from __future__ import annotations
 
@@ -38,7 +44,27 @@ def write_prompts(path: Path, count: int = 96, seed: int = 0) -> Path:
     return path
 
 
-def train_config(opts: CheckOptions, precision: str, folder: Path, prompts: Path):
+FP8_SECTION = {"format": "hybrid", "granularity": "tensorwise", "backend": "auto"}
+REFERENCE = ("the trainer's own thresholds: every step completes with finite loss, grad "
+             "norm, entropy and reward; Calibrated Clipping calibrates on every due step")
+
+
+def trainer_path(opts: CheckOptions) -> tuple[str, str]:
+    """(trainer backend, rollout engine) for this run: te_run.trainer_backend on the FP8
+    section the configs use (it reads only cfg.fp8); TE runs roll out with vLLM."""
+    from types import SimpleNamespace
+
+    from megatron_calibclip.fp8 import FP8Recipe
+    from megatron_calibclip.trainer.te_run import trainer_backend
+
+    if opts.device != "cuda":  # --device cpu on a CUDA machine: the CPU's path
+        return "ours", "megatron"
+    backend = trainer_backend(SimpleNamespace(fp8=FP8Recipe.from_dict(FP8_SECTION)))
+    return backend, "vllm" if backend == "te" else "megatron"
+
+
+def train_config(opts: CheckOptions, precision: str, folder: Path, prompts: Path,
+                 engine: str = "megatron"):
     from megatron_calibclip.config import from_dict
     from megatron_calibclip.trainer import TrainConfig
 
@@ -52,7 +78,8 @@ def train_config(opts: CheckOptions, precision: str, folder: Path, prompts: Path
         "data": {"source": "jsonl", "path": str(prompts), "tokenizer": "train:64",
                  "template": "{prompt}", "max_prompt_tokens": 32},
         "reward": {"kind": "math"},
-        "rollout": {"precision": precision, "sampling": {"max_new_tokens": opts.grpo_new_tokens}},
+        "rollout": {"precision": precision, "engine": engine,
+                    "sampling": {"max_new_tokens": opts.grpo_new_tokens}},
         "algorithm": {"group_size": opts.grpo_group_size,
                       "prompts_per_step": opts.grpo_prompts_per_step, "mini_batches": 2,
                       "micro_batch_size": 8, "logprob_micro_batch_size": 16},
@@ -60,8 +87,9 @@ def train_config(opts: CheckOptions, precision: str, folder: Path, prompts: Path
                      "calibration": {"period": opts.grpo_calibration_period}},
         "optimizer": {"lr": 1e-5},
         "precision": precision,
-        # auto: torch._scaled_mm on a GPU, the emulation on the CPU (--smoke)
-        "fp8": {"format": "hybrid", "granularity": "tensorwise", "backend": "auto"},
+        # auto: TE's spec on a GPU with transformer-engine, else torch._scaled_mm on a GPU,
+        # the emulation on the CPU (--smoke)
+        "fp8": dict(FP8_SECTION),
     })
 
 
@@ -70,12 +98,13 @@ def _finite(record: dict, key: str) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def run_one(opts: CheckOptions, precision: str, folder: Path, prompts: Path) -> dict:
+def run_one(opts: CheckOptions, precision: str, folder: Path, prompts: Path,
+            engine: str) -> dict:
     from megatron_calibclip.trainer import train
 
     t0 = time.perf_counter()
-    records = train(train_config(opts, precision, folder, prompts))["records"]
-    out: dict = {"wall_s": round(time.perf_counter() - t0, 2),
+    records = train(train_config(opts, precision, folder, prompts, engine))["records"]
+    out: dict = {"ran": True, "wall_s": round(time.perf_counter() - t0, 2),
                  "steps": [{"step": r["step"], **{k: r[k] for k in STEP_KEYS if k in r}}
                            for r in records]}
     trained = [r for r in records if "skipped" not in r]
@@ -95,18 +124,26 @@ def run_one(opts: CheckOptions, precision: str, folder: Path, prompts: Path) -> 
 
 
 def run(opts: CheckOptions) -> dict:
-    from megatron_calibclip.bench.gpu_check.common import error_record
+    from megatron_calibclip.bench.gpu_check.common import case_error, cases_passed, not_run
     from megatron_calibclip.models import get_preset
+    from megatron_calibclip.rollout.vllm_settings import vllm_installed
 
     shape = get_preset("tiny", **opts.grpo_model.overrides())
+    backend, engine = trainer_path(opts)
+    head = {"reference": REFERENCE, "thresholds": THRESHOLDS, "model": vars(opts.grpo_model),
+            "parameters_at_vocab_4096": shape.num_parameters(),
+            "requested_steps": opts.grpo_steps, "trainer_backend": backend,
+            "rollout_engine": engine}
+    if engine == "vllm" and not vllm_installed():
+        return {**head, **not_run("the trainer builds TE's spec here, which rolls out with "
+                                  "vLLM (te_run.check_te_run), and vllm is not installed "
+                                  "(pip install '.[vllm]')"), "passed": False}
     runs = {}
     with tempfile.TemporaryDirectory(prefix="gpu_check_grpo_") as tmp:
         prompts = write_prompts(Path(tmp) / "prompts.jsonl")
         for precision in ("bf16", "fp8"):
             try:
-                runs[precision] = run_one(opts, precision, Path(tmp), prompts)
+                runs[precision] = run_one(opts, precision, Path(tmp), prompts, engine)
             except Exception as err:  # noqa: BLE001 - the other run still goes
-                runs[precision] = {"error": error_record(err), "passed": False}
-    return {"thresholds": THRESHOLDS, "model": vars(opts.grpo_model),
-            "parameters_at_vocab_4096": shape.num_parameters(), "requested_steps": opts.grpo_steps,
-            "runs": runs, "passed": all(r["passed"] for r in runs.values())}
+                runs[precision] = case_error(err)
+    return {**head, "ran": True, "runs": runs, "passed": cases_passed(runs)}

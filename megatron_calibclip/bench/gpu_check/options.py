@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 # Run order: the trainer section last, as the longest and the one a device-placement bug
 # stops today, so the figures of the others are in the JSON first.
 SECTION_NAMES: tuple[str, ...] = ("a_quantizer", "b_native_vs_emulated", "c_batch_invariance",
-                                  "e_throughput", "d_grpo")
+                                  "f_te_vs_emulation", "e_throughput", "d_grpo")
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,14 @@ class CheckOptions:
     gemm_m: int = 2048
     gemm_n: int = 4096
     k_values: tuple[int, ...] = (4096, 12288)
-    # (b), (c): a small GPT and the token batch its log-probs are taken on
+    # (b), (c), (f): a small GPT and the token batch its log-probs are taken on; the sequence
+    # length divides by 32, so every micro-batch of TE's FP8 GEMMs has a token count TE takes
+    # (fp8/te.py te_token_multiple: 16, 32 for mxfp8) without padding
     small_model: ModelShape = field(default_factory=lambda: ModelShape(4, 512, 1536, 8, 4))
     logprob_batch: int = 8
-    logprob_seq: int = 257
+    logprob_seq: int = 256
+    # (f): one linear layer, TE's vs ours: tokens x in -> out (forward, dgrad, wgrad)
+    linear_shape: tuple[int, int, int] = (512, 256, 512)
     # (d): GRPO steps of a ~100M-parameter random model through the trainer
     grpo_model: ModelShape = field(default_factory=lambda: ModelShape(16, 768, 2048, 12, 4))
     grpo_steps: int = 20
@@ -67,7 +71,7 @@ class CheckOptions:
             return cls(device=device, smoke=False, sections=sections)
         tiny = ModelShape(2, 128, 256, 4, 2, 512)
         return cls(device=device, smoke=True, sections=sections, gemm_m=32, gemm_n=128,
-                   small_model=tiny, logprob_batch=8, logprob_seq=33,
+                   small_model=tiny, logprob_batch=8, logprob_seq=32,
                    grpo_model=ModelShape(2, 64, 128, 4, 2), grpo_steps=2,
                    grpo_calibration_period=1, grpo_prompts_per_step=4, grpo_group_size=4,
                    grpo_new_tokens=3, big_model=ModelShape(2, 128, 256, 4, 4, 512),

@@ -1,6 +1,9 @@
 """Run the selected sections one after the other, each on its own: a section that raises
-records its error (type + message) and the next one still runs; the report passes only if
-every section that ran passed its own thresholds (each section writes them into its record).
+records its error (type + message), counts as not run and failed, and the next one still
+runs. Each section writes its figures, thresholds, reference and `ran` into its record;
+verdict.py then decides what passed (a case that did not run fails, except a CPU limitation
+in a `--smoke` run on the CPU, or a feature this GPU lacks) and fills the report's
+"not_run" list.
 """
 from __future__ import annotations
 
@@ -11,22 +14,25 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from megatron_calibclip.bench.gpu_check.common import error_record, free_memory
+from megatron_calibclip.bench.gpu_check.common import case_error, free_memory
 from megatron_calibclip.bench.gpu_check.options import CheckOptions
+from megatron_calibclip.bench.gpu_check.verdict import judge_report, judge_section
 
 REPORT_NAME = "gpu_check.json"
 _MODULES = {"a_quantizer": "quantizer", "b_native_vs_emulated": "native_fp8",
-            "c_batch_invariance": "invariance", "d_grpo": "grpo", "e_throughput": "throughput"}
+            "c_batch_invariance": "invariance", "d_grpo": "grpo", "e_throughput": "throughput",
+            "f_te_vs_emulation": "te_emulation"}
 
 
 def run_section(name: str, opts: CheckOptions) -> dict[str, Any]:
-    """One section's record: its own figures and verdict, or its error; plus wall seconds."""
+    """One section's record: its own figures and verdict, or its error (then not run and
+    failed); plus wall seconds. The final verdict is verdict.judge_section's."""
     t0 = time.perf_counter()
     try:
         module = importlib.import_module(f"megatron_calibclip.bench.gpu_check.{_MODULES[name]}")
         record = module.run(opts)
     except Exception as err:  # noqa: BLE001 - the report says what failed; the others still run
-        record = {"error": error_record(err), "passed": False}
+        record = case_error(err)
     finally:
         free_memory(opts.device)
     record["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -42,19 +48,20 @@ def run_check(opts: CheckOptions, log: Callable[[str], None] = print,
     from megatron_calibclip.parallel import initialize_distributed
 
     t0 = time.perf_counter()
-    report: dict[str, Any] = {"tool": "tools/gpu_check.py", "format": 1, "smoke": opts.smoke,
+    report: dict[str, Any] = {"tool": "tools/gpu_check.py", "format": 2, "smoke": opts.smoke,
                               "machine": machine_facts(opts.device), "sections": {}}
+    capability = report["machine"].get("compute_capability")
     initialize_distributed()  # a single process: NCCL with CUDA, gloo on the CPU
     for name in opts.sections:
         record = run_section(name, opts)
         report["sections"][name] = record
-        verdict = "PASS" if record["passed"] else "FAIL"
+        judge_section(name, record, smoke=opts.smoke, device=opts.device, capability=capability)
         detail = f" ({record['error']['type']}: {record['error']['message'][:200]})" \
             if "error" in record else ""
-        log(f"gpu_check: {name}: {verdict} in {record['wall_s']:.1f}s{detail}")
+        log(f"gpu_check: {name}: {record['verdict']} in {record['wall_s']:.1f}s{detail}")
         if after_section is not None:
             after_section({**report, "passed": None, "unfinished": True})
-    report["passed"] = all(r["passed"] for r in report["sections"].values())
+    judge_report(report, smoke=opts.smoke, device=opts.device)
     report["wall_s"] = round(time.perf_counter() - t0, 2)
     return report
 

@@ -2,14 +2,16 @@
 
 Why side by side: a ratio of two numbers measured in the same process on the same weights,
 interleaved step by step, survives clock and thermal drift that separate runs would not.
-A step is an update of the trainer's policy architecture (local spec with the emulated
-linears, fp32 parameters: the trainer's CPU flow; on a GPU the trainer holds bf16 parameters
-with megatron's fp32 main parameters, which this bench does not build): forward, -mean
-log-prob, backward, AdamW. "bf16" is that model's BF16 mode (fp32 GEMMs on bf16-rounded
-operands: the emulation, not tensor-core BF16), "fp8" its FP8 mode with the `torch` backend
-(real FP8 GEMMs, forward and backward). So the ratio describes this package, not the
-hardware's FP8 speed-up (which needs TE's spec in the trainer): it is recorded against a
-target, and only correctness (finite losses, positive throughput) gates the check.
+The model is the trainer's policy as the trainer builds it here (te_run.trainer_backend's
+choice for the FP8 recipe below: megatron's TE spec with CUDA and transformer-engine, else
+our emulated-linear spec; bf16 parameters on CUDA, fp32 on the CPU; placed with
+place_on_device). A step is forward, -mean log-prob, backward, AdamW on the parameters
+(the trainer's megatron optimizer keeps fp32 main parameters beside bf16 ones: not built
+here; the step's GEMMs are the same). "bf16" is the model's BF16 mode (TE: FP8 off, BF16
+tensor-core GEMMs; ours: the emulation's BF16 GEMMs), "fp8" its FP8 mode with the trainer's
+backend (TE's FP8 GEMMs; ours: torch._scaled_mm on a GPU, the emulation on the CPU). The
+ratio is recorded against a target; only correctness (finite losses, positive throughput)
+gates the check.
 """
 from __future__ import annotations
 
@@ -19,16 +21,18 @@ import torch
 
 from megatron_calibclip.bench.gpu_check.common import (
     all_finite,
-    build_emulated_gpt,
+    build_gpt,
     now,
     random_tokens,
     token_logprobs,
+    trainer_backend_for,
 )
 from megatron_calibclip.bench.gpu_check.options import CheckOptions
 
 MODES = ("bf16", "fp8")
 THRESHOLDS = {"losses_finite": True, "tokens_per_s_min": 0.0}
 TARGETS = {"fp8_over_bf16_tokens_per_s_min": 1.0}  # recorded, not gating (see module doc)
+REFERENCE = "the same model's BF16 mode, interleaved step by step (a ratio, not a reference)"
 
 
 def _train_step(model, cfg, tokens: torch.Tensor, optimizer) -> float:
@@ -41,12 +45,14 @@ def _train_step(model, cfg, tokens: torch.Tensor, optimizer) -> float:
 
 def run(opts: CheckOptions) -> dict:
     from megatron_calibclip.fp8 import FP8Recipe, set_precision
+    from megatron_calibclip.fp8.backend import linear_backend
 
-    model, cfg = build_emulated_gpt(opts.big_model, opts.device, seed=None)
+    recipe = FP8Recipe(format="hybrid", granularity="tensorwise", backend="auto")
+    spec = "te" if trainer_backend_for(opts.device, recipe) == "te" else "emulated"
+    model, cfg = build_gpt(opts.big_model, opts.device, spec, seed=None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     tokens = random_tokens(opts.throughput_batch, opts.throughput_seq, cfg.vocab_size,
                            opts.device, seed=2)
-    recipe = FP8Recipe(format="hybrid", granularity="tensorwise", backend="torch")
     seconds: dict[str, list[float]] = {m: [] for m in MODES}
     losses: dict[str, list[float]] = {m: [] for m in MODES}
     peak_gib: dict[str, float] = {}
@@ -66,9 +72,12 @@ def run(opts: CheckOptions) -> dict:
     rate = {m: tokens_per_step / statistics.median(seconds[m]) for m in MODES}
     ratio = rate["fp8"] / rate["bf16"]
     out = {
-        "what": "fwd + bwd + AdamW of the trainer's policy model (emulated-linear spec, fp32 "
-                "parameters); bf16 = its BF16 mode (emulated: fp32 GEMMs on bf16 values), "
-                "fp8 = FP8 tensorwise via torch._scaled_mm, forward and backward",
+        "ran": True, "reference": REFERENCE,
+        "what": "fwd + bwd + AdamW of the trainer's policy model as built here; bf16 = its "
+                "BF16 mode, fp8 = FP8 hybrid tensorwise on the trainer's backend",
+        "layer_spec": model.calibclip_backend,
+        "fp8_backend": "te" if spec == "te" else linear_backend(recipe.backend),
+        "params_dtype": str(next(model.parameters()).dtype),
         "model": vars(opts.big_model), "parameters": cfg.num_parameters(),
         "tokens_per_step": tokens_per_step, "measured_steps": opts.throughput_steps,
         "step_seconds": {m: [round(s, 4) for s in seconds[m]] for m in MODES},
