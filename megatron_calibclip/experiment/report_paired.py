@@ -89,7 +89,9 @@ def paired_table(seeds: SeedRuns) -> str:
             "|" + "---|" * (len(PAIRS) + 1)]
     for q, label in quantity_labels(seeds.target).items():
         digits = DIGITS.get(q, 3)
-        cells = [f"{interval_text(iv, digits)} ({' / '.join(_num(d, digits, True) for d in diffs.values())})"
+        cells = [interval_text(iv, digits) + (
+                     f" ({' / '.join(_num(d, digits, True) for d in diffs.values())})" if diffs
+                     else " (no paired seed yet)")
                  for diffs, iv in pair_intervals(seeds, q).values()]
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + (f"\n\nMean of the per-seed differences [{LEVEL:.0%} t-interval] (each "
