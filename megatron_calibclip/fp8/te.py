@@ -135,9 +135,9 @@ def te_environment_problem(recipe: FP8Recipe) -> Optional[str]:
     te_recipes = sys.modules.get("transformer_engine.common.recipe")
     if recipe.granularity == "blockwise":
         name, want_pow2 = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES", recipe.pow2_scales
-        if te_recipes is not None:
-            pow2 = te_recipes.Float8BlockScaling.fp8_quant_fwd_inp.power_2_scale
-        else:
+        qparams = getattr(getattr(te_recipes, "Float8BlockScaling", None), "fp8_quant_fwd_inp", None)
+        pow2 = getattr(qparams, "power_2_scale", None)  # None: TE not imported, or an older layout
+        if pow2 is None:
             pow2 = os.environ.get(name, "0") != "1"
     elif recipe.granularity == "tensorwise":
         name, want_pow2 = "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", recipe.pow2_scales

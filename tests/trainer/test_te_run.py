@@ -236,3 +236,18 @@ def test_token_padding_for_te_changes_no_log_prob(dist_pool):
     keep[0, :5] = False
     torch.testing.assert_close(lp16[keep], lp[keep], rtol=0, atol=1e-5)
     torch.testing.assert_close(ent16[keep], ent[keep], rtol=0, atol=1e-5)
+
+
+def test_once_te_is_imported_its_evaluated_defaults_decide(monkeypatch):
+    """After megatron-core imported TE, the environment no longer matters: what TE's
+    Float8BlockScaling class evaluated at import does (a stand-in module here)."""
+    import sys
+    import types
+
+    qparams = types.SimpleNamespace(power_2_scale=False)  # TE imported with FP32_SCALES=1
+    fake = types.ModuleType("transformer_engine.common.recipe")
+    fake.Float8BlockScaling = type("Float8BlockScaling", (), {"fp8_quant_fwd_inp": qparams})
+    monkeypatch.setitem(sys.modules, "transformer_engine.common.recipe", fake)
+    monkeypatch.delenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", raising=False)
+    assert te_environment_problem(FP8Recipe(granularity="blockwise", power_of_two_scales=False)) is None
+    assert "fp32 scales" in te_environment_problem(FP8Recipe(granularity="blockwise"))
