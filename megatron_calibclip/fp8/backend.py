@@ -122,16 +122,9 @@ def linear_backend(requested: str) -> str:
 
 
 def check_backend_supports(backend: str, granularity: str) -> None:
-    """ConfigError when `backend` cannot run this scaling granularity (te: a recipe's other
-    fields are checked by `run_backend`)."""
-    if backend == "te":
-        from megatron_calibclip.fp8.te import TE_GRANULARITIES
-
-        if granularity not in TE_GRANULARITIES:
-            raise ConfigError(
-                f"fp8.backend resolves to 'te' here, which runs {', '.join(TE_GRANULARITIES)} "
-                f"scaling; {granularity!r} exists only in our linears: set fp8.backend to "
-                f"'torch' or 'emulated'")
+    """ConfigError when `backend` cannot run this scaling granularity. Only the torch backend
+    lacks some: te's recipe (granularity and the rest) is checked by `run_backend`, the one
+    place that resolves to te; the emulation runs every recipe."""
     if backend == "torch" and granularity not in TORCH_GRANULARITIES:
         raise ConfigError(
             f"fp8.backend resolves to 'torch' here, which runs {', '.join(TORCH_GRANULARITIES)} "

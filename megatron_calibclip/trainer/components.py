@@ -133,7 +133,7 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
     if cfg.run.checkpoint and cfg.optimizer.distributed and not torch.cuda.is_available():
         raise ConfigError(
             "optimizer.distributed: checkpointing megatron's distributed optimizer does not "
-            "work on CPU with megatron-core 0.16.1 (its state gather uses CUDA); set "
+            "work on CPU (megatron-core 0.16.x and 0.19.x gather its state through CUDA); set "
             "optimizer.distributed=false or run.checkpoint=false")
     model_cfg = _model_config(cfg)
     dp_size = ps.get_data_parallel_world_size()

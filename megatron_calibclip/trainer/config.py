@@ -72,13 +72,16 @@ class ModelSection:
     # only one with fp32 GEMMs); auto: bf16 with CUDA, else fp32
     params_dtype: Literal["auto", "fp32", "bf16"] = "auto"
 
-    def resolved_params_dtype(self) -> str:
-        """'bf16' or 'fp32': what `params_dtype` means on this machine."""
+    def resolved_params_dtype(self, *, cuda: Optional[bool] = None) -> str:
+        """'bf16' or 'fp32': what `params_dtype` means on this machine (or, given `cuda`, on a
+        machine with or without a CUDA device: tools/gpu_check.py asks for either)."""
         if self.params_dtype != "auto":
             return self.params_dtype
-        import torch
+        if cuda is None:
+            import torch
 
-        return "bf16" if torch.cuda.is_available() else "fp32"
+            cuda = torch.cuda.is_available()
+        return "bf16" if cuda else "fp32"
 
     def __post_init__(self) -> None:
         from megatron_calibclip.models import PRESETS, get_preset

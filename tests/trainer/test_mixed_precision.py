@@ -141,3 +141,34 @@ def test_fp32_gemms_with_bf16_params_are_refused():
         from_dict(TrainConfig, cfg)
     assert from_dict(TrainConfig, merge(CFG, {})).model.resolved_params_dtype() == (
         "bf16" if torch.cuda.is_available() else "fp32")
+
+
+def test_gpu_check_holds_parameters_as_the_trainer_would():
+    """tools/gpu_check.py builds its models in the trainer's params dtype for the device it
+    checks (bf16 on CUDA, fp32 on the CPU for `auto`; docs/trainer.md), from the trainer's rule."""
+    from megatron_calibclip.bench.gpu_check.common import trainer_params_dtype
+    from megatron_calibclip.trainer import TrainConfig
+
+    assert trainer_params_dtype("cuda") is torch.bfloat16
+    assert trainer_params_dtype("cpu") is torch.float32
+    model = from_dict(TrainConfig, merge(CFG, {})).model
+    assert (model.resolved_params_dtype(cuda=True), model.resolved_params_dtype(cuda=False)) == (
+        "bf16", "fp32")
+    pinned = from_dict(TrainConfig, merge(CFG, {"model": {"params_dtype": "fp32"}})).model
+    assert pinned.resolved_params_dtype(cuda=True) == "fp32"
+
+
+def test_distributed_optimizer_checkpoints_are_refused_on_the_cpu(tmp_path):
+    """Megatron's distributed optimizer gathers its state through CUDA to checkpoint it (0.16.x
+    and 0.19.x): on the CPU the run stops in one line before building anything."""
+    from megatron_calibclip.trainer import TrainConfig
+    from megatron_calibclip.trainer.components import build_components
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for machines without CUDA")
+    cfg = from_dict(TrainConfig, merge(CFG, {"optimizer": {"distributed": True},
+                                             "run": {"checkpoint": True}}))
+    with pytest.raises(ConfigError, match=r"optimizer\.distributed: .* does not work on CPU "
+                                          r"\(megatron-core 0\.16\.x and 0\.19\.x"):
+        build_components(cfg, tmp_path)
+    assert list(tmp_path.iterdir()) == []

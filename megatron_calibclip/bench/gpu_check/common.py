@@ -106,9 +106,12 @@ def gpu_capability(device: str) -> Optional[tuple[int, int]]:
 
 
 def trainer_params_dtype(device: str) -> torch.dtype:
-    """What the trainer holds parameters in (TrainConfig.model.resolved_params_dtype for
-    `auto`): bf16 on CUDA (megatron's optimizer keeps fp32 main parameters), fp32 on the CPU."""
-    return torch.bfloat16 if device == "cuda" else torch.float32
+    """What the trainer holds parameters in on `device` with the default `model.params_dtype:
+    auto` (the trainer's own rule: ModelSection.resolved_params_dtype)."""
+    from megatron_calibclip.trainer.config import ModelSection
+
+    resolved = ModelSection().resolved_params_dtype(cuda=device == "cuda")
+    return torch.bfloat16 if resolved == "bf16" else torch.float32
 
 
 def trainer_backend_for(device: str, recipe) -> str:
