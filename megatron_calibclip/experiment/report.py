@@ -49,6 +49,8 @@ def load_arms(folder: Path) -> dict[str, list[dict]]:
 # out of their means and curves (otherwise late, low-entropy steps whose groups all got the
 # same reward would pull the rates toward 0)
 NEG_RATES = ("loss/clipfrac_lower", "loss/phantom_clipfrac", "loss/shadow_clipfrac_lower")
+# likewise over the tokens with A > 0 (a step without any: left out)
+POS_RATES = ("loss/clipfrac_upper", "loss/shadow_clipfrac_upper")
 
 
 def has_negative_tokens(record: dict) -> bool:
@@ -60,10 +62,11 @@ def has_negative_tokens(record: dict) -> bool:
 
 
 def values_by_step(records: list[dict], key: str) -> list[tuple[int, float]]:
-    """(step, value) of the finite values of `key`; rates over A<0 tokens only where some."""
+    """(step, value) of the finite values of `key`; rates over A<0 (A>0) tokens only where some."""
     return [(r["step"], float(r[key])) for r in records
             if isinstance(r.get(key), (int, float)) and math.isfinite(float(r[key]))
-            and (key not in NEG_RATES or has_negative_tokens(r))]
+            and (key not in NEG_RATES or has_negative_tokens(r))
+            and (key not in POS_RATES or float(r.get("pos_tokens", 1.0)) > 0)]
 
 
 def mean_of(pairs: list[tuple[int, float]]) -> Optional[float]:

@@ -62,7 +62,7 @@ def arm_table(seeds: SeedRuns) -> str:
             cells.append(f"{_num(mean, digits)} ({' / '.join(_num(v, digits) for v in per_seed)})")
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + ("\n\nMean over the used seeds (each seed's value in seed order). Rates "
-                              "over A<0 tokens average only the steps that had some.")
+                              "over A<0 (A>0) tokens average only the steps that had some.")
 
 
 def interval_text(iv: Optional[Interval], digits: int = 3) -> str:

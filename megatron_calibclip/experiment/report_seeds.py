@@ -152,6 +152,10 @@ def quantity_labels(target: int) -> dict[str, str]:
         "phantom_late": f"phantom A<0, {last}",
         "clipped_early": f"clipped A<0, {early}",
         "clipped_late": f"clipped A<0, {last}",
+        "clipped_upper_late": f"clipped A>0 (above H), {last}",
+        "lower_late": f"lower bound L in force, {last}",
+        "upper_late": f"upper bound H in force, {last}",
+        "entropy_last": f"entropy, last {WINDOW} steps",
         "eos_last": f"EOS fraction, last {WINDOW} steps",
         "mismatch": "mult. prob. error, all steps",
         "kl_last": f"KL to reference, last {WINDOW} steps",
@@ -159,7 +163,7 @@ def quantity_labels(target: int) -> dict[str, str]:
 
 
 def run_quantities(records: list[dict], target: int) -> dict[str, Optional[float]]:
-    """The quantities of one run (rates over A<0 tokens: over the steps that had some)."""
+    """The quantities of one run (rates over A<0 or A>0 tokens: over the steps that had some)."""
     last = target - WINDOW
 
     def mean(key: str, lo: int, hi: int) -> Optional[float]:
@@ -173,6 +177,10 @@ def run_quantities(records: list[dict], target: int) -> dict[str, Optional[float
         "phantom_late": mean("loss/phantom_clipfrac", WINDOW, target),
         "clipped_early": mean("loss/clipfrac_lower", 0, WINDOW),
         "clipped_late": mean("loss/clipfrac_lower", WINDOW, target),
+        "clipped_upper_late": mean("loss/clipfrac_upper", WINDOW, target),
+        "lower_late": mean("clip/lower", WINDOW, target),
+        "upper_late": mean("clip/upper", WINDOW, target),
+        "entropy_last": mean("loss/entropy_mean", last, target),
         "eos_last": mean("eos_fraction", last, target),
         "mismatch": mean("loss/mult_prob_error", 0, target),
         "kl_last": mean("loss/kl_mean", last, target),

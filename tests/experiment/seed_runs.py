@@ -13,6 +13,7 @@ WOBBLE = {(1, "fp8-tis"): 0.01, (2, "fp8-tis"): -0.02, (3, "fp8-calibrated"): 0.
 WIGGLE = 0.2
 PHANTOM = {"bf16": 0.0, "fp8-tis": 0.10, "fp8-calibrated": 0.012, "fp8-calibrated-l-only": 0.015}
 HELD = {"bf16": 0.66, "fp8-tis": 0.58, "fp8-calibrated": 0.60, "fp8-calibrated-l-only": 0.61}
+CLIP_UP = {"bf16": 0.03, "fp8-tis": 0.05, "fp8-calibrated": 0.001, "fp8-calibrated-l-only": 0.04}
 BOUNDS = {"bf16": (0.8, 1.2), "fp8-tis": (0.8, 1.2), "fp8-calibrated": (0.49, 1.79),
           "fp8-calibrated-l-only": (0.49, 1.2)}
 
@@ -25,6 +26,7 @@ def records(seed: int, arm: str, steps: int = STEPS) -> list[dict]:
     out = []
     for s in range(steps):
         no_neg = s % 7 == 3  # a step whose groups all got uniform rewards: no A<0 token
+        no_pos = s % 11 == 5  # ... and one without any A>0 token
         lower, upper = BOUNDS[arm]
         r = {"step": s, "reward_mean": level(seed, arm) + (WIGGLE if s % 2 else -WIGGLE),
              "loss/entropy_mean": 2.0 / (1 + s) + 0.05, "loss/kl_mean": 0.005 * s,
@@ -32,7 +34,8 @@ def records(seed: int, arm: str, steps: int = STEPS) -> list[dict]:
              "loss/mult_prob_error": 1.01 if arm == "bf16" else 1.15 + 0.01 * seed,
              "loss/phantom_clipfrac": 0.0 if no_neg else PHANTOM[arm] * (2.0 if s < 20 else 1.0),
              "loss/clipfrac_lower": 0.0 if no_neg else 0.02 + PHANTOM[arm],
-             "neg_tokens": 0.0 if no_neg else 150.0, "clip/lower": lower, "clip/upper": upper}
+             "neg_tokens": 0.0 if no_neg else 150.0, "clip/lower": lower, "clip/upper": upper,
+             "loss/clipfrac_upper": 0.0 if no_pos else CLIP_UP[arm], "pos_tokens": 0.0 if no_pos else 90.0}
         if s % 10 == 0:
             r.update({"eval/accuracy": HELD[arm] + 0.01 * seed, "eval/updates": float(s),
                       "eval/problems": 100.0})

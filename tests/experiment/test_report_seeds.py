@@ -198,3 +198,25 @@ def test_min_max_bars_are_never_negative():
     (below,), (above,) = _bars(mean, [0.1] * 3)
     assert below >= 0 and above == 0
     assert _bars(0.5, [0.25, 1.0]) == [[0.25], [0.5]]
+
+
+def test_bounds_upper_clips_and_entropy_per_run(seed_folder):
+    """What separates the calibrated arms (L, H in force; A>0 tokens clipped above H, over the
+    steps that had some; entropy) is computed per run as the tables say, from the files."""
+    seeds = load_seeds(seed_folder)
+    recs = _read(seed_folder, 1, "fp8-calibrated")
+    late = [r for r in recs if r["step"] >= 20]
+    q = seeds.quantities(1, "fp8-calibrated")
+    assert q["lower_late"] == pytest.approx(statistics.fmean(r["clip/lower"] for r in late))
+    assert q["upper_late"] == pytest.approx(statistics.fmean(r["clip/upper"] for r in late))
+    assert q["clipped_upper_late"] == pytest.approx(statistics.fmean(
+        r["loss/clipfrac_upper"] for r in late if r["pos_tokens"] > 0))
+    assert q["entropy_last"] == pytest.approx(statistics.fmean(
+        r["loss/entropy_mean"] for r in recs if r["step"] >= 80))
+    # the steps without A>0 tokens (0.0 in the file) would pull the mean down if counted
+    assert q["clipped_upper_late"] > statistics.fmean(r["loss/clipfrac_upper"] for r in late)
+    diffs, _ = pair_intervals(seeds, "upper_late")[("fp8-calibrated", "fp8-calibrated-l-only")]
+    assert diffs[1] == pytest.approx(1.79 - 1.2)
+    table = paired_table(seeds)
+    assert "| upper bound H in force, steps 20-99 | " in table
+    assert "| clipped A>0 (above H), steps 20-99 | " in table
