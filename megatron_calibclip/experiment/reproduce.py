@@ -2,7 +2,8 @@
 
 Each arm is an ordinary `calibclip train` run under torchrun (run.name = the arm), so it is
 resumable: run the command again and every arm continues from its newest checkpoint; a
-finished arm is skipped by the trainer ("N steps already done"). After each arm (also when
+finished arm is skipped by the trainer ("N steps already done"); an arm stopped before its
+first checkpoint is moved aside (`<arm>.no-checkpoint-N`) and starts over. After each arm (also when
 it stopped early) its small files are copied next to the experiment file, where they are
 committed and `calibclip experiment report` reads them:
 
@@ -136,6 +137,24 @@ def collect_seeded(run_dir: Path, out_dir: Path, info: dict[str, Any]) -> int:
     return info["steps"]
 
 
+def set_aside_unresumable(run_dir: Path, steps: int) -> Optional[Path]:
+    """Move an arm's run directory aside when the trainer could not resume it: it holds
+    metrics of an unfinished run but no checkpoint (the arm was stopped before its first
+    save). The trainer refuses such a directory (trainer/run_dir.py), so without this a
+    re-run would fail on that arm every time; the partial run is kept beside it, never
+    deleted. Returns where it went (None: nothing to do)."""
+    from megatron_calibclip.trainer.run_dir import inspect
+
+    state = inspect(run_dir)
+    if state.has_checkpoint or state.metrics_records == 0 or state.metrics_records >= steps:
+        return None
+    n = 1
+    while (aside := run_dir.with_name(f"{run_dir.name}.no-checkpoint-{n}")).exists():
+        n += 1
+    run_dir.rename(aside)
+    return aside
+
+
 def _arms_of(args: argparse.Namespace, round_: Round) -> list[str]:
     """--arms a,b or --arms a b (default: the round's arms, in its order)."""
     if not args.arms:
@@ -154,6 +173,14 @@ def _run_arm(args, exp: Experiment, round_: Round, arm: str, metrics_dir: Path, 
     cmd = arm_command(exp, arm, args.nproc, str(runs_dir), round_, args.seed)
     print(f"arm {arm}: {' '.join(cmd)}", flush=True)
     run_dir = runs_dir / arm
+    from megatron_calibclip.trainer.config import load_train_config
+
+    steps = load_train_config(exp.base, exp.overrides(arm, round_, args.seed)).run.steps
+    aside = set_aside_unresumable(run_dir, steps)
+    if aside is not None:
+        print(f"arm {arm}: {run_dir} held {_count_lines(aside / 'metrics.jsonl')} steps of "
+              f"metrics but no checkpoint to resume from; moved to {aside}, starting at step 0",
+              flush=True)
     started, before = time.time(), _count_lines(run_dir / "metrics.jsonl")
     rc = subprocess.call(cmd, env=env)
     if args.seed is None:

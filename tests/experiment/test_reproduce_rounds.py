@@ -206,3 +206,56 @@ def test_run_info_keeps_every_start_that_trained_or_failed(tmp_path):
     assert len(failed["segments"]) == 2 and failed["commit"] == "abc"
     mixed = start(2, 4, "def")  # resumed at another commit: no single commit
     assert mixed["commit"] is None and mixed["commits"] == ["abc", "def"] and mixed["steps"] == 4
+
+
+def _run_dir(path: Path, steps: int, checkpoint: bool) -> Path:
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text("".join(f'{{"step": {i}}}\n' for i in range(steps)))
+    if checkpoint:
+        (path / "checkpoints").mkdir()
+        (path / "checkpoints" / "latest").write_text("step_00000005\n")
+    return path
+
+
+def test_an_arm_stopped_before_its_first_checkpoint_is_moved_aside_not_lost(tmp_path):
+    from megatron_calibclip.experiment.reproduce import set_aside_unresumable
+
+    stopped = _run_dir(tmp_path / "seed-1" / "a", 3, checkpoint=False)
+    aside = set_aside_unresumable(stopped, steps=100)
+    assert aside == tmp_path / "seed-1" / "a.no-checkpoint-1" and not stopped.exists()
+    assert (aside / "metrics.jsonl").read_text().count("\n") == 3  # kept, not deleted
+    again = _run_dir(stopped, 2, checkpoint=False)  # stopped early a second time
+    assert set_aside_unresumable(again, steps=100).name == "a.no-checkpoint-2"
+    # resumable, finished, or never started: left where the trainer finds them
+    resumable = _run_dir(tmp_path / "seed-1" / "b", 7, checkpoint=True)
+    finished = _run_dir(tmp_path / "seed-1" / "c", 100, checkpoint=False)
+    assert set_aside_unresumable(resumable, steps=100) is None and resumable.exists()
+    assert set_aside_unresumable(finished, steps=100) is None and finished.exists()
+    assert set_aside_unresumable(tmp_path / "seed-1" / "d", steps=100) is None
+
+
+def test_reproduce_restarts_an_arm_that_has_no_checkpoint(tmp_path, monkeypatch, capsys):
+    """Re-running the command after an arm was stopped before its first save starts that arm
+    over (the trainer alone would refuse its directory on every re-run)."""
+    import megatron_calibclip.experiment.reproduce as reproduce
+    from megatron_calibclip.cli import build_parser
+
+    path = _write(tmp_path, TINY)
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    _run_dir(runs / "seed-5" / "a", 1, checkpoint=False)  # TINY runs 2 steps
+    seen = []
+
+    def fake_train(cmd, env=None):
+        run_dir = runs / "seed-5" / "a"
+        seen.append(run_dir.exists())
+        _run_dir(run_dir, 2, checkpoint=True)
+        return 0
+
+    monkeypatch.setattr(reproduce.subprocess, "call", fake_train)
+    args = build_parser().parse_args(["experiment", "reproduce", "--experiment", str(path), "--seed", "5",
+                                      "--arms", "a", "--runs-dir", str(runs), "--metrics-dir", str(out)])
+    assert reproduce.run_reproduce(args) == 0
+    assert seen == [False]  # the trainer got an empty place
+    assert (runs / "seed-5" / "a.no-checkpoint-1" / "metrics.jsonl").read_text().count("\n") == 1
+    assert json.loads((out / "seed-5" / "a" / "run_info.json").read_text())["steps"] == 2
+    assert "held 1 steps of metrics but no checkpoint to resume from; moved to" in capsys.readouterr().out
