@@ -38,15 +38,19 @@ RUN_INFO_FORMAT = "megatron_calibclip.run_info/1"
 
 
 def _check_arms(exp: Experiment, arms: list[str], runs_dir: str, round_: Optional[Round] = None,
-                seed: Optional[int] = None) -> None:
-    """Every arm's configuration loads (mistakes surface before hours of compute)."""
+                seed: Optional[int] = None) -> dict[str, int]:
+    """Every arm's configuration loads (mistakes surface before hours of compute); returns
+    each arm's ``run.steps``."""
     from megatron_calibclip.trainer.config import load_train_config
 
+    steps = {}
     for arm in arms:
         try:
-            load_train_config(exp.base, exp.overrides(arm, round_, seed) + [f"run.output_dir={runs_dir}"])
+            config = load_train_config(exp.base, exp.overrides(arm, round_, seed) + [f"run.output_dir={runs_dir}"])
         except ConfigError as err:
             raise ConfigError(f"arm {arm}: {err}") from None
+        steps[arm] = config.run.steps
+    return steps
 
 
 def arm_command(exp: Experiment, arm: str, nproc: int, runs_dir: str, round_: Optional[Round] = None,
@@ -166,16 +170,14 @@ def _arms_of(args: argparse.Namespace, round_: Round) -> list[str]:
     return arms
 
 
-def _run_arm(args, exp: Experiment, round_: Round, arm: str, metrics_dir: Path, env) -> tuple[int, int, Path]:
-    """Run (or resume) one arm and collect its files; returns (exit code, steps of metrics,
-    the folder they were copied to)."""
+def _run_arm(args, exp: Experiment, round_: Round, arm: str, steps: int, metrics_dir: Path,
+             env) -> tuple[int, int, Path]:
+    """Run (or resume) one arm of ``steps`` steps and collect its files; returns (exit code,
+    steps of metrics, the folder they were copied to)."""
     runs_dir = seed_root(Path(args.runs_dir), args.seed)
     cmd = arm_command(exp, arm, args.nproc, str(runs_dir), round_, args.seed)
     print(f"arm {arm}: {' '.join(cmd)}", flush=True)
     run_dir = runs_dir / arm
-    from megatron_calibclip.trainer.config import load_train_config
-
-    steps = load_train_config(exp.base, exp.overrides(arm, round_, args.seed)).run.steps
     aside = set_aside_unresumable(run_dir, steps)
     if aside is not None:
         print(f"arm {arm}: {run_dir} held {_count_lines(aside / 'metrics.jsonl')} steps of "
@@ -199,7 +201,7 @@ def run_reproduce(args: argparse.Namespace) -> int:
         exp = load_experiment(args.experiment)
         round_ = exp.select_round(args.round, args.seed)
         arms = _arms_of(args, round_)
-        _check_arms(exp, arms, str(seed_root(Path(args.runs_dir), args.seed)), round_, args.seed)
+        steps_of = _check_arms(exp, arms, str(seed_root(Path(args.runs_dir), args.seed)), round_, args.seed)
     except ConfigError as err:
         print(f"calibclip experiment reproduce: {err}", file=sys.stderr)
         return 2
@@ -210,7 +212,7 @@ def run_reproduce(args: argparse.Namespace) -> int:
     for i, arm in enumerate(arms, 1):
         print(f"[{i}/{len(arms)}] {where}", flush=True)
         t = time.perf_counter()
-        rc, steps, out_dir = _run_arm(args, exp, round_, arm, metrics_dir, env)
+        rc, steps, out_dir = _run_arm(args, exp, round_, arm, steps_of[arm], metrics_dir, env)
         print(f"[{i}/{len(arms)}] arm {arm}: exit {rc} after {time.perf_counter() - t:.0f}s; "
               f"{steps} steps of metrics in {out_dir}", flush=True)
         if rc != 0:
