@@ -4,8 +4,9 @@ Per arm: the mean over seeds (bold) and the spread across seeds (band / error ba
 max); the training reward with its last-20 window shaded and a marker per arm for the
 last-20 mean; held-out accuracy with error bars; the paired differences with their 95%
 t-intervals; and the quantities the reading rests on (entropy, KL, EOS fraction, rollout/
-trainer mismatch, phantom clips, clip bounds). Coincident bound lines are drawn nested (the
-thicker underneath) and labelled once per value at the right edge, so none hides another.
+trainer mismatch, phantom clips, clip bounds). The bounds are drawn per step as in force, over
+a y range that holds all of them; coincident bound lines are told apart by staggered markers
+and labelled once per value at the right edge, so none hides another.
 """
 from __future__ import annotations
 
@@ -34,13 +35,14 @@ def arm_colors(arms: list[str]) -> dict[str, str]:
     return {a: ARM_COLORS.get(a) or next(others) for a in arms}
 
 
-def _band(runs: dict, key: str, target: int) -> tuple[list[int], list[float], list[float], list[float]]:
-    """(steps, mean, min, max) across seeds of each seed's SMOOTH-step rolling mean of `key`."""
+def _band(runs: dict, key: str, target: int,
+          smooth: int = SMOOTH) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(steps, mean, min, max) across seeds of each seed's `smooth`-step rolling mean of `key`."""
     per_seed = []
     for run in runs.values():
         pts = dict(values_by_step(run.records, key))
         steps = [s for s in range(target) if s in pts]
-        per_seed.append(dict(zip(steps, rolling_mean([pts[s] for s in steps], SMOOTH))))
+        per_seed.append(dict(zip(steps, rolling_mean([pts[s] for s in steps], smooth))))
     xs = [s for s in range(target) if all(s in d for d in per_seed)]
     cols = [[d[s] for d in per_seed] for s in xs]
     return xs, [sum(c) / len(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols]
@@ -52,6 +54,10 @@ def _curve_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict, key: str) -
         if xs:
             ax.fill_between(xs, lo, hi, color=colors[arm], alpha=0.15, lw=0)
             ax.plot(xs, mean, color=colors[arm], lw=1.8)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _bars(mean: float, values: list[float]) -> list[list[float]]:
@@ -139,23 +145,28 @@ MARKERS = ("o", "s", "^", "v", "P", "X")
 
 
 def _bounds_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:
-    """L (solid) and H (dashed) per arm. Arms with equal bounds share a line, so each arm's
-    markers sit at its own steps (staggered) and the right edge names every arm per value."""
-    finals = {}
+    """L (solid) and H (dashed) per arm, per step as in force (a step function: not smoothed),
+    mean over seeds with their min-max band. Arms with equal bounds share a line, so each arm's
+    markers sit at its own steps (staggered) and the right edge names every arm per value. The
+    y range holds every step's bound, not only the final ones."""
+    finals, drawn = {}, []
     every = max(seeds.target // 10, len(arms))
     for i, arm in enumerate(arms):
         for key, style in (("clip/lower", "-"), ("clip/upper", "--")):
-            xs, mean, _, _ = _band(seeds.usable(arm), key, seeds.target)
+            xs, mean, lo, hi = _band(seeds.usable(arm), key, seeds.target, smooth=1)
             if xs:
+                ax.fill_between(xs, lo, hi, color=colors[arm], alpha=0.12, lw=0, step="post")
                 ax.plot(xs, mean, style, color=colors[arm], lw=1.3, marker=MARKERS[i % len(MARKERS)],
-                        ms=5, markevery=(i * every // len(arms), every))
+                        ms=5, markevery=(i * every // len(arms), every), drawstyle="steps-post")
+                drawn += lo + hi
                 finals.setdefault(round(mean[-1], 2), []).append(f"{arm} {'L' if 'lower' in key else 'H'}")
     if not finals:
         return
     values = sorted(finals)
-    span = max(values[-1] - values[0], 0.5)
-    ax.set_ylim(values[0] - 0.1 * span, values[-1] + 0.1 * span)
-    ax.set_xlim(0, seeds.target * 1.5)
+    bottom, top = min(drawn + values), max(drawn + values)
+    span = max(top - bottom, 0.5)
+    ax.set_ylim(bottom - 0.1 * span, top + 0.1 * span)
+    ax.set_xlim(0, seeds.target * 1.6)
     placed = []
     for v in values:  # push labels apart so that close values stay readable
         pos = max(v, placed[-1] + 0.07 * span) if placed else v
@@ -197,7 +208,7 @@ def plot_seeds(seeds: SeedRuns, out_png: Path) -> Path:
             ax.set_xlabel("RL step")
     handles = [plt.Line2D([], [], color=colors[a], lw=2.5, marker=MARKERS[i % len(MARKERS)])
                for i, a in enumerate(arms)]
-    fig.legend(handles, [f"{a} ({len(seeds.usable(a))} seeds)" for a in arms], loc="upper center",
+    fig.legend(handles, [f"{a} ({_count(len(seeds.usable(a)), 'seed')})" for a in arms], loc="upper center",
                ncol=len(arms), fontsize=10, frameon=False, bbox_to_anchor=(0.5, 0.985))
     fig.suptitle(f"paired seeds, steps 0-{seeds.target - 1}: bold = mean over seeds ({SMOOTH}-step "
                  f"rolling), band / bars = min-max across seeds; diamonds = last-{WINDOW} means",

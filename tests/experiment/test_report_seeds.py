@@ -220,3 +220,31 @@ def test_bounds_upper_clips_and_entropy_per_run(seed_folder):
     table = paired_table(seeds)
     assert "| upper bound H in force, steps 20-99 | " in table
     assert "| clipped A>0 (above H), steps 20-99 | " in table
+
+
+def test_bounds_panel_shows_every_bound_in_force(seed_folder):
+    """The bounds panel's y range once came from the final values only, so a calibrated H
+    that rose to 2.5 mid-run (and an L that fell to 0.33) ran out of the picture (seen on seed
+    1000). Every plotted value is inside the axis, and the step changes are drawn as they are
+    (not a rolling mean: the bound in force is a step function)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megatron_calibclip.experiment.report_figure_seeds import ARM_COLORS, _bounds_panel
+
+    for seed in (1, 3):  # the seeds where fp8-calibrated is used
+        path = seed_folder / f"seed-{seed}" / "fp8-calibrated" / "metrics.jsonl"
+        recs = _read(seed_folder, seed, "fp8-calibrated")
+        for r in recs:
+            if 40 <= r["step"] < 43:
+                r["clip/upper"], r["clip/lower"] = 2.5, 0.33
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    seeds = load_seeds(seed_folder)
+    fig, ax = plt.subplots()
+    _bounds_panel(ax, seeds, list(ARM_COLORS), ARM_COLORS)
+    low, high = ax.get_ylim()
+    plotted = [y for line in ax.get_lines() for y in line.get_ydata()]
+    assert max(plotted) == pytest.approx(2.5) and min(plotted) == pytest.approx(0.33)
+    assert low < 0.33 and high > 2.5
+    plt.close(fig)
