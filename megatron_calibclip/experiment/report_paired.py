@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from typing import Optional
 
 from megatron_calibclip.experiment.report import WINDOW, ranges
@@ -38,8 +39,38 @@ def coverage(seeds: SeedRuns) -> str:
     left = [f"seed-{s}/{a} ({seeds.why_not(s, a)})" for s in seeds.seeds() for a in seeds.arms()
             if seeds.why_not(s, a) is not None]
     text = (f"Used: {'; '.join(used) or 'no run'}; steps 0-{seeds.target - 1} of every used run. "
-            f"Left out: {'; '.join(left) or 'nothing'}.")
-    return "\n".join(rows) + "\n\n" + text
+            f"Left out: {'; '.join(left) or 'nothing'}. {code_line(seeds)}")
+    return "\n".join(rows) + "\n\n" + text.rstrip()
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def code_line(seeds: SeedRuns) -> str:
+    """Which code the used runs ran (run_info.json): a run is used whatever its commit, so a
+    seed run from another clone, or with uncommitted changes, is named here."""
+    used = sorted((s, a) for a in seeds.arms() for s in seeds.usable(a))
+    if not used:
+        return ""
+    commits, several, unknown, dirty = Counter(), [], [], []
+    for seed, arm in used:
+        info, name = seeds.runs[(seed, arm)].info, f"seed-{seed}/{arm}"
+        if info.get("commit"):
+            commits[str(info["commit"])[:10]] += 1
+        else:
+            (several if info.get("commits") else unknown).append(name)
+        if info.get("dirty"):
+            dirty.append(name)
+    if len(commits) == 1 and not (several or unknown or dirty):
+        return f"Code: every used run ran commit {next(iter(commits))}, none with uncommitted changes."
+    parts = [f"the used runs ran {_plural(len(commits), 'commit')}: "
+             + ", ".join(f"{c} ({_plural(n, 'run')})" for c, n in sorted(commits.items()))] if commits else []
+    for label, names in (("several commits", several), ("commit unknown", unknown),
+                         ("with uncommitted changes", dirty)):
+        if names:
+            parts.append(f"{label}: {', '.join(names)}")
+    return "Code: " + "; ".join(parts) + "."
 
 
 def _num(v: Optional[float], digits: int = 3, sign: bool = False) -> str:

@@ -248,3 +248,28 @@ def test_bounds_panel_shows_every_bound_in_force(seed_folder):
     assert max(plotted) == pytest.approx(2.5) and min(plotted) == pytest.approx(0.33)
     assert low < 0.33 and high > 2.5
     plt.close(fig)
+
+
+def test_runs_section_says_which_code_the_used_runs_ran(seed_folder):
+    """A run is used whatever commit it ran, so the Runs section says whether the used runs
+    share one commit and names any run with uncommitted changes or several commits: a seed
+    run from a newer clone must not pass unseen."""
+    seeds = load_seeds(seed_folder)
+    text = coverage(seeds)
+    # the fixture's seeds 1-3 ran abc1def012, abc2def012, abc3def012 (seed 4 is left out)
+    assert "Code: the used runs ran 3 commits: abc1def012 (4 runs), abc2def012 (3 runs), " \
+           "abc3def012 (3 runs)." in text
+    for seed in (1, 2, 3):
+        for arm in ("bf16", "fp8-tis", "fp8-calibrated-l-only", "fp8-calibrated"):
+            info = seed_folder / f"seed-{seed}" / arm / "run_info.json"
+            if info.exists():
+                info.write_text(json.dumps({"commit": "6a398bc4207cc6", "seed": seed, "dirty": False}))
+    (seed_folder / "seed-2" / "bf16" / "run_info.json").write_text(
+        json.dumps({"commit": None, "commits": ["6a398bc4207cc6", "ffff000011"], "seed": 2, "dirty": True}))
+    text = coverage(load_seeds(seed_folder))
+    assert ("Code: the used runs ran 1 commit: 6a398bc420 (9 runs); several commits: seed-2/bf16; "
+            "with uncommitted changes: seed-2/bf16.") in text
+    (seed_folder / "seed-2" / "bf16" / "run_info.json").write_text(
+        json.dumps({"commit": "6a398bc4207cc6", "seed": 2, "dirty": False}))
+    assert "Code: every used run ran commit 6a398bc420, none with uncommitted changes." in \
+        coverage(load_seeds(seed_folder))
