@@ -53,23 +53,32 @@ def _q2(iv: dict) -> str:
             f"{evidence(vs_bf16, 'fp8-calibrated - bf16')})")
 
 
+# what each comparison of the third question says, by the sign of its interval
+_L_SAYS = {1: "L-only is above FP8 + TIS", 0: "L-only is not distinguishable from FP8 + TIS",
+           -1: "L-only is below FP8 + TIS"}
+_H_SAYS = {1: "the full method is above L-only", 0: "the full method is not distinguishable from L-only",
+           -1: "the full method is below L-only"}
+
+
+def _credit(s_l: int, s_h: int) -> str:
+    """What recovers it: the calibrated L when L-only beats FP8 + TIS, the wider H when the
+    full method beats L-only; a full method below L-only means the wider H costs."""
+    if s_l > 0 and s_h > 0:
+        return "both"
+    if s_h > 0:
+        return "the wider H"
+    head = "the calibrated L" if s_l > 0 else "neither"
+    return head + (", and the wider H costs" if s_h < 0 else "")
+
+
 def _q3(iv: dict) -> str:
     l_only = iv[("fp8-calibrated-l-only", "fp8-tis")]
     h_on_top = iv[("fp8-calibrated", "fp8-calibrated-l-only")]
     s_l, s_h = sign(l_only), sign(h_on_top)
-    if s_l > 0 and s_h == 0:
-        head = "the calibrated L: L-only is above FP8 + TIS, the wider H adds nothing measurable"
-    elif s_l > 0 and s_h > 0:
-        head = "both: L-only is above FP8 + TIS, and the wider H adds to it"
-    elif s_l <= 0 and s_h > 0:
-        head = "the wider H: the full method is above L-only, L-only is not above FP8 + TIS"
-    elif s_h < 0:
-        head = ("the calibrated L, and the wider H costs: L-only is above FP8 + TIS, the full "
-                "method below L-only" if s_l > 0 else "the wider H costs: the full method is below L-only")
-    elif s_l < 0:
-        head = "neither: L-only is below FP8 + TIS"
-    else:
+    if s_l == 0 and s_h == 0:
         head = "cannot tell which: neither interval excludes 0"
+    else:
+        head = f"{_credit(s_l, s_h)}: {_L_SAYS[s_l]}, {_H_SAYS[s_h]}"
     return (f"{head} ({evidence(l_only, 'fp8-calibrated-l-only - fp8-tis')}; "
             f"{evidence(h_on_top, 'fp8-calibrated - fp8-calibrated-l-only')})")
 

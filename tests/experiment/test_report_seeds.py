@@ -273,3 +273,33 @@ def test_runs_section_says_which_code_the_used_runs_ran(seed_folder):
         json.dumps({"commit": "6a398bc4207cc6", "seed": 2, "dirty": False}))
     assert "Code: every used run ran commit 6a398bc420, none with uncommitted changes." in \
         coverage(load_seeds(seed_folder))
+
+
+@pytest.mark.parametrize("s_l", [1, 0, -1])
+@pytest.mark.parametrize("s_h", [1, 0, -1])
+def test_l_or_h_answer_claims_no_more_than_its_intervals(s_l, s_h):
+    """Every sign combination of (L-only - fp8-tis, full - L-only) gets an answer that states
+    each comparison as its interval says: an interval that includes 0 reads 'not
+    distinguishable', never 'adds nothing' or 'is not above' (cannot tell is not equal)."""
+    from megatron_calibclip.experiment.report_answers import _q3
+    from megatron_calibclip.experiment.report_stats import Interval
+
+    def iv(sign):
+        return Interval(3, 0.1 * sign, 0.1 * sign - 0.05, 0.1 * sign + 0.05)
+
+    text = _q3({("fp8-calibrated-l-only", "fp8-tis"): iv(s_l),
+                ("fp8-calibrated", "fp8-calibrated-l-only"): iv(s_h)})
+    head = text.split(" (")[0]
+    assert "nothing" not in head and "is not above" not in head
+    if (s_l, s_h) == (0, 0):
+        assert head == "cannot tell which: neither interval excludes 0"
+        return
+    said_l = {1: "L-only is above FP8 + TIS", 0: "L-only is not distinguishable from FP8 + TIS",
+              -1: "L-only is below FP8 + TIS"}[s_l]
+    said_h = {1: "the full method is above L-only", 0: "the full method is not distinguishable "
+              "from L-only", -1: "the full method is below L-only"}[s_h]
+    assert said_l in head and said_h in head
+    credit = {(1, 1): "both", (1, 0): "the calibrated L", (1, -1): "the calibrated L, and the wider H costs",
+              (0, 1): "the wider H", (-1, 1): "the wider H", (0, -1): "neither, and the wider H costs",
+              (-1, 0): "neither", (-1, -1): "neither, and the wider H costs"}[(s_l, s_h)]
+    assert head.startswith(credit + ":")
