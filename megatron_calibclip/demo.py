@@ -1,7 +1,8 @@
 """`make demo`: the tiny policy at TP=2 on 2 CPU ranks, a forward pass over a few prompts,
-log-prob and entropy statistics. (Later issues turn this into the RL demo.)
+log-prob and entropy statistics: the smallest multi-process example (README, "Running on more
+than one process yourself"). `make demo` is the RL demo (`calibclip train --config tiny-cpu`).
 
-Run with torchrun (what `make demo` does):
+Run with torchrun:
     torchrun --standalone --nproc-per-node=2 -m megatron_calibclip.demo --tp 2
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One RL step, as data (see ARCHITECTURE.md):
+"""One RL step, as data (README, "Layout"):
 
 prompts -> rollout (rollout precision, keeps rollout log-probs) -> rewards -> advantages
 -> [DAPO: dynamic sampling] -> reference and old log-probs (old: trainer precision, its own
