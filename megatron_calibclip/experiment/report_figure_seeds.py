@@ -15,7 +15,7 @@ from pathlib import Path
 from megatron_calibclip.experiment.report import (SMOOTH, STEP_WINDOW, WINDOW, heldout, rolling_mean,
                                                   values_by_step, window_means)
 from megatron_calibclip.experiment.report_answers import METRICS
-from megatron_calibclip.experiment.report_paired import pair_intervals, pair_label
+from megatron_calibclip.experiment.report_paired import pair_intervals, pair_label, plural
 from megatron_calibclip.experiment.report_seeds import HELDOUT_FROM, SeedRuns, quantity_labels
 
 ARM_COLORS = {"bf16": "tab:blue", "fp8-tis": "tab:purple", "fp8-calibrated": "tab:green",
@@ -54,10 +54,6 @@ def _curve_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict, key: str) -
         if xs:
             ax.fill_between(xs, lo, hi, color=colors[arm], alpha=0.15, lw=0)
             ax.plot(xs, mean, color=colors[arm], lw=1.8)
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _bars(mean: float, values: list[float]) -> list[list[float]]:
@@ -208,7 +204,7 @@ def plot_seeds(seeds: SeedRuns, out_png: Path) -> Path:
             ax.set_xlabel("RL step")
     handles = [plt.Line2D([], [], color=colors[a], lw=2.5, marker=MARKERS[i % len(MARKERS)])
                for i, a in enumerate(arms)]
-    fig.legend(handles, [f"{a} ({_count(len(seeds.usable(a)), 'seed')})" for a in arms], loc="upper center",
+    fig.legend(handles, [f"{a} ({plural(len(seeds.usable(a)), 'seed')})" for a in arms], loc="upper center",
                ncol=len(arms), fontsize=10, frameon=False, bbox_to_anchor=(0.5, 0.985))
     fig.suptitle(f"paired seeds, steps 0-{seeds.target - 1}: bold = mean over seeds ({SMOOTH}-step "
                  f"rolling), band / bars = min-max across seeds; diamonds = last-{WINDOW} means",

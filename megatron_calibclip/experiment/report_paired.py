@@ -43,7 +43,7 @@ def coverage(seeds: SeedRuns) -> str:
     return "\n".join(rows) + "\n\n" + text.rstrip()
 
 
-def _plural(n: int, noun: str) -> str:
+def plural(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
@@ -64,8 +64,8 @@ def code_line(seeds: SeedRuns) -> str:
             dirty.append(name)
     if len(commits) == 1 and not (several or unknown or dirty):
         return f"Code: every used run ran commit {next(iter(commits))}, none with uncommitted changes."
-    parts = [f"the used runs ran {_plural(len(commits), 'commit')}: "
-             + ", ".join(f"{c} ({_plural(n, 'run')})" for c, n in sorted(commits.items()))] if commits else []
+    parts = [f"the used runs ran {plural(len(commits), 'commit')}: "
+             + ", ".join(f"{c} ({plural(n, 'run')})" for c, n in sorted(commits.items()))] if commits else []
     for label, names in (("several commits", several), ("commit unknown", unknown),
                          ("with uncommitted changes", dirty)):
         if names:
