@@ -73,8 +73,11 @@ def code_line(seeds: SeedRuns) -> str:
     return "Code: " + "; ".join(parts) + "."
 
 
-def _num(v: Optional[float], digits: int = 3, sign: bool = False) -> str:
-    return "n/a" if v is None else (f"{v:+.{digits}f}" if sign else f"{v:.{digits}f}")
+def number(v: object, digits: int = 3, sign: bool = False) -> str:
+    """A table cell's number; "n/a" for anything that is not one (None, a bool, text)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return "n/a"
+    return f"{v:+.{digits}f}" if sign else f"{v:.{digits}f}"
 
 
 def arm_table(seeds: SeedRuns) -> str:
@@ -90,7 +93,7 @@ def arm_table(seeds: SeedRuns) -> str:
             known = [v for v in per_seed if v is not None]
             mean = statistics.fmean(known) if known else None
             digits = DIGITS.get(q, 3)
-            cells.append(f"{_num(mean, digits)} ({' / '.join(_num(v, digits) for v in per_seed)})")
+            cells.append(f"{number(mean, digits)} ({' / '.join(number(v, digits) for v in per_seed)})")
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + ("\n\nMean over the used seeds (each seed's value in seed order). Rates "
                               "over A<0 (A>0) tokens average only the steps that had some.")
@@ -100,9 +103,9 @@ def interval_text(iv: Optional[Interval], digits: int = 3) -> str:
     if iv is None:
         return "n/a"
     if iv.low is None:
-        return f"{_num(iv.mean, digits, True)} (1 seed: no interval)"
-    return (f"{_num(iv.mean, digits, True)} [{_num(iv.low, digits, True)}, "
-            f"{_num(iv.high, digits, True)}]")
+        return f"{number(iv.mean, digits, True)} (1 seed: no interval)"
+    return (f"{number(iv.mean, digits, True)} [{number(iv.low, digits, True)}, "
+            f"{number(iv.high, digits, True)}]")
 
 
 def pair_intervals(seeds: SeedRuns, quantity: str) -> dict[tuple[str, str], tuple[dict, Optional[Interval]]]:
@@ -121,7 +124,7 @@ def paired_table(seeds: SeedRuns) -> str:
     for q, label in quantity_labels(seeds.target).items():
         digits = DIGITS.get(q, 3)
         cells = [interval_text(iv, digits) + (
-                     f" ({' / '.join(_num(d, digits, True) for d in diffs.values())})" if diffs
+                     f" ({' / '.join(number(d, digits, True) for d in diffs.values())})" if diffs
                      else " (no paired seed yet)")
                  for diffs, iv in pair_intervals(seeds, q).values()]
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -163,10 +166,10 @@ def noise_text(seeds: SeedRuns) -> str:
                 and (n := heldout_problems(r.records))]
         binom = (math.sqrt(statistics.fmean(p for p, _ in held) * (1 - statistics.fmean(p for p, _ in held))
                            / statistics.fmean(n for _, n in held)) if held else None)
-        rows.append(f"| {arm} | {len(runs)} | {_num(statistics.fmean(within) if within else None)} "
-                    f"| {_num(statistics.stdev(last) if len(last) >= 2 else None)} | {_num(binom)} |")
+        rows.append(f"| {arm} | {len(runs)} | {number(statistics.fmean(within) if within else None)} "
+                    f"| {number(statistics.stdev(last) if len(last) >= 2 else None)} | {number(binom)} |")
     summary = (f"Within one run, a last-{WINDOW} reward mean carries about +-"
-               f"{_num(statistics.fmean(within_all) if within_all else None)} (std of its per-step "
+               f"{number(statistics.fmean(within_all) if within_all else None)} (std of its per-step "
                f"rewards / sqrt({WINDOW}), mean over the used runs) if the steps were independent. The "
                f"binomial SE is sqrt(p (1 - p) / problems) at the arm's mean held-out accuracy p; "
                f"the evaluations of one run reuse the same problems, so their mean is not "

@@ -2,8 +2,9 @@
 
 First round: `<arm>/metrics.jsonl` -> figure `--figure`, the tables and the facts behind the
 corrected reading. Second round (when `seed-<n>/<arm>/` folders exist): which runs are used,
-per-arm values, paired differences with 95% t-intervals, noise, the answers to the issue's
-three questions, a figure `<figure>-seeds.png`, and response samples of chosen steps. Each
+per-arm values, paired differences with 95% t-intervals, noise, what each calibration rested
+on, the answers to the issue's three questions, a figure `<figure>-seeds.png`, and response
+samples of chosen steps. Each
 section goes between its markers in `--doc` (a missing pair of markers: printed only). The
 output depends only on the committed files, so a second run changes nothing.
 """
@@ -18,6 +19,7 @@ from typing import Optional
 from megatron_calibclip.experiment.report import (BEGIN, END, TABLE_SECTION, load_arms, markers,
                                                   plot_arms, report_tables, write_section)
 from megatron_calibclip.experiment.report_answers import answers
+from megatron_calibclip.experiment.report_calibrations import calibration_table
 from megatron_calibclip.experiment.report_facts import facts_table
 from megatron_calibclip.experiment.report_paired import (arm_table, coverage, method_text,
                                                          noise_text, paired_table)
@@ -39,7 +41,8 @@ def seeds_section(seeds: Optional[SeedRuns], figure: Optional[Path], doc_dir: Pa
     if any(seeds.usable(a) for a in seeds.arms()):
         parts += ["**Answers** (generated from the paired intervals below)", answers(seeds),
                   method_text(seeds), "**Per arm**", arm_table(seeds),
-                  "**Paired differences**", paired_table(seeds), "**Noise**", noise_text(seeds)]
+                  "**Paired differences**", paired_table(seeds), "**Noise**", noise_text(seeds),
+                  "**Calibrations**", calibration_table(seeds)]
     if figure is not None:
         parts.append(f"![paired seeds]({Path(os.path.relpath(figure, doc_dir)).as_posix()})")
     return "\n\n".join(parts)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_calibclip.experiment.report import ranges
+from megatron_calibclip.experiment.report_paired import number
 from megatron_calibclip.experiment.report_seeds import SeedRuns, read_jsonl
 
 MAX_CHARS = 160  # longer prompts and responses are cut (the table is for reading)
@@ -45,12 +46,6 @@ def _cell(text: object) -> str:
                  ("\n", " \u23ce ")):
         s = s.replace(a, b)
     return s
-
-
-def _num(v: object, signed: bool = False) -> str:
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        return "n/a"
-    return f"{v:+.3f}" if signed else f"{v:.3f}"
 
 
 def choose(seeds: SeedRuns, seed: Optional[int], steps: Optional[list[int]]
@@ -96,7 +91,7 @@ def samples_markdown(seed: int, steps: list[int], arms: dict[str, list[dict]], p
                 rows.append(f"| {arm} | | | | | (no samples at this step) |")
             for r in chosen:
                 eos = {True: "yes", False: "no"}.get(r.get("eos"), "n/a")
-                rows.append(f"| {arm} | {_num(r.get('reward'))} | {_num(r.get('advantage'), True)} | {eos} "
+                rows.append(f"| {arm} | {number(r.get('reward'))} | {number(r.get('advantage'), sign=True)} | {eos} "
                             f"| {_cell(r.get('prompt', ''))} | {_cell(r.get('response', ''))} |")
         parts.append("\n".join(rows))
     return "\n\n".join(parts)
