@@ -4,13 +4,16 @@ Per arm: the mean over seeds (bold) and the spread across seeds (band / error ba
 max); the training reward with its last-20 window shaded and a marker per arm for the
 last-20 mean; held-out accuracy with error bars; the paired differences with their 95%
 t-intervals; and the quantities the reading rests on (entropy, KL, EOS fraction, rollout/
-trainer mismatch, phantom clips, clip bounds). The bounds are drawn per step as in force, over
-a y range that holds all of them; coincident bound lines are told apart by staggered markers
+trainer mismatch, phantom clips, clip bounds). The bounds are drawn per step as in force, on
+a logarithmic axis whose range holds all of them; coincident bound lines are told apart by staggered markers
 and labelled once per value at the right edge, so none hides another.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullFormatter
 
 from megatron_calibclip.experiment.report import (SMOOTH, STEP_WINDOW, WINDOW, heldout, rolling_mean,
                                                   values_by_step, window_means)
@@ -35,9 +38,10 @@ def arm_colors(arms: list[str]) -> dict[str, str]:
     return {a: ARM_COLORS.get(a) or next(others) for a in arms}
 
 
-def _band(runs: dict, key: str, target: int,
-          smooth: int = SMOOTH) -> tuple[list[int], list[float], list[float], list[float]]:
-    """(steps, mean, min, max) across seeds of each seed's `smooth`-step rolling mean of `key`."""
+def _band(runs: dict, key: str, target: int, smooth: int = SMOOTH, geometric: bool = False
+          ) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(steps, mean, min, max) across seeds of each seed's `smooth`-step rolling mean of `key`
+    (`geometric`: the mean of the seeds is geometric, for ratios such as the clip bounds)."""
     per_seed = []
     for run in runs.values():
         pts = dict(values_by_step(run.records, key))
@@ -45,7 +49,11 @@ def _band(runs: dict, key: str, target: int,
         per_seed.append(dict(zip(steps, rolling_mean([pts[s] for s in steps], smooth))))
     xs = [s for s in range(target) if all(s in d for d in per_seed)]
     cols = [[d[s] for d in per_seed] for s in xs]
-    return xs, [sum(c) / len(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols]
+    if geometric:
+        mean = [math.exp(sum(math.log(v) for v in c) / len(c)) for c in cols]
+    else:
+        mean = [sum(c) / len(c) for c in cols]
+    return xs, mean, [min(c) for c in cols], [max(c) for c in cols]
 
 
 def _curve_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict, key: str) -> None:
@@ -138,18 +146,22 @@ def _forest_panel(ax, seeds: SeedRuns, colors: dict) -> None:
 
 
 MARKERS = ("o", "s", "^", "v", "P", "X")
+BOUND_TICKS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.2, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
 
 
 def _bounds_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:
     """L (solid) and H (dashed) per arm, per step as in force (a step function: not smoothed),
-    mean over seeds with their min-max band. Arms with equal bounds share a line, so each arm's
-    markers sit at its own steps (staggered) and the right edge names every arm per value. The
-    y range holds every step's bound, not only the final ones."""
+    geometric mean over seeds with their min-max band, on a logarithmic axis: bounds are
+    ratios, and a calibrated pair can span 0.1 to 6.5 beside the fixed 0.8 and 1.2. Arms with
+    equal bounds share a line, so each arm's markers sit at its own steps (staggered) and the
+    right edge names every arm per value. The y range holds every step's bound, not only the
+    final ones."""
     finals, drawn = {}, []
     every = max(seeds.target // 10, len(arms))
     for i, arm in enumerate(arms):
         for key, style in (("clip/lower", "-"), ("clip/upper", "--")):
-            xs, mean, lo, hi = _band(seeds.usable(arm), key, seeds.target, smooth=1)
+            xs, mean, lo, hi = _band(seeds.usable(arm), key, seeds.target, smooth=1,
+                                     geometric=True)
             if xs:
                 ax.fill_between(xs, lo, hi, color=colors[arm], alpha=0.12, lw=0, step="post")
                 ax.plot(xs, mean, style, color=colors[arm], lw=1.3, marker=MARKERS[i % len(MARKERS)],
@@ -159,16 +171,21 @@ def _bounds_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:
     if not finals:
         return
     values = sorted(finals)
-    bottom, top = min(drawn + values), max(drawn + values)
-    span = max(top - bottom, 0.5)
-    ax.set_ylim(bottom - 0.1 * span, top + 0.1 * span)
+    bottom, top = math.log(min(drawn + values)), math.log(max(drawn + values))
+    span = max(top - bottom, math.log(2.0))  # in log r
+    ax.set_yscale("log")
+    ax.set_ylim(math.exp(bottom - 0.1 * span), math.exp(top + 0.1 * span))
+    ax.yaxis.set_major_locator(FixedLocator([t for t in BOUND_TICKS
+                                             if bottom - 0.1 * span <= math.log(t) <= top + 0.1 * span]))
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlim(0, seeds.target * 1.6)
     placed = []
-    for v in values:  # push labels apart so that close values stay readable
-        pos = max(v, placed[-1] + 0.07 * span) if placed else v
+    for v in values:  # push labels apart (in log r) so that close values stay readable
+        pos = max(math.log(v), placed[-1] + 0.07 * span) if placed else math.log(v)
         placed.append(pos)
         ax.annotate(f"{v:.2f}: " + "\n".join(finals[v]), (seeds.target - 1, v),
-                    (seeds.target + 2, pos), fontsize=7, va="center",
+                    (seeds.target + 2, math.exp(pos)), fontsize=7, va="center",
                     arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.6})
 
 

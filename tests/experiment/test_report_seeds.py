@@ -250,6 +250,39 @@ def test_bounds_panel_shows_every_bound_in_force(seed_folder):
     plt.close(fig)
 
 
+def test_bounds_panel_is_logarithmic_with_geometric_means(seed_folder):
+    """Seed 2000's calibrated arm ran with L 0.10 / H 6.53 for most of its steps: on a linear
+    axis the fixed arms' 0.8 and 1.2 then sit a few percent of the panel apart. Bounds are
+    ratios (the log-scale rule is symmetric in log r), so the panel is logarithmic and the
+    mean over seeds geometric: seeds with H 1.8 and 7.2 draw 3.6 (not 4.5)."""
+    import math
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megatron_calibclip.experiment.report_figure_seeds import ARM_COLORS, _bounds_panel
+
+    for seed, (upper, lower) in ((1, (1.8, 0.45)), (3, (7.2, 0.2))):
+        path = seed_folder / f"seed-{seed}" / "fp8-calibrated" / "metrics.jsonl"
+        recs = _read(seed_folder, seed, "fp8-calibrated")
+        for r in recs:
+            if r["step"] >= 1:
+                r["clip/upper"], r["clip/lower"] = upper, lower
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    seeds = load_seeds(seed_folder)
+    fig, ax = plt.subplots()
+    _bounds_panel(ax, seeds, list(ARM_COLORS), ARM_COLORS)
+    assert ax.get_yscale() == "log"
+    calibrated = [line.get_ydata() for line in ax.get_lines()
+                  if line.get_color() == ARM_COLORS["fp8-calibrated"]]
+    last = sorted(float(y[-1]) for y in calibrated)
+    assert last == [pytest.approx(math.sqrt(0.45 * 0.2)), pytest.approx(math.sqrt(1.8 * 7.2))]
+    low, high = ax.get_ylim()
+    assert low < 0.2 and high > 7.2
+    plt.close(fig)
+
+
 def test_runs_section_says_which_code_the_used_runs_ran(seed_folder):
     """A run is used whatever commit it ran, so the Runs section says whether the used runs
     share one commit and names any run with uncommitted changes or several commits: a seed
