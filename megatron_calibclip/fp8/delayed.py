@@ -11,10 +11,17 @@ When it updates (the TE order of operations):
 Activations and weights update in the forward of FP8 mode (with or without grad), output
 gradients in the backward. Nothing updates in fp32 / bf16 mode, so a BF16 shadow pass
 leaves the FP8 state untouched.
+
+Step 2's reduction is one tiny collective per tensor per forward, unless it runs inside
+`batched_amax_reduction()`: there the amaxes wait and are reduced together, one collective per
+group, as TE reduces a region's amaxes in one buffer (amax_and_scale_update over the global
+buffer). A pending history is applied before its scale is next read or its next amax is
+recorded, so every quantization sees exactly the scale it would have seen without batching.
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,28 +47,132 @@ class AmaxHistory:
         self.margin = margin
         self.group = group
         # on the host until the first amax arrives; record() moves them to its device
-        self.history = torch.zeros(history_len, dtype=torch.float32, device=HOST)  # [0]: newest
-        self.scale = torch.ones((), dtype=torch.float32, device=HOST)
-        self.updates = 0  # how many amaxes were recorded (tests, logging)
+        self._history = torch.zeros(history_len, dtype=torch.float32, device=HOST)  # [0]: newest
+        self._scale = torch.ones((), dtype=torch.float32, device=HOST)
+        self.updates = 0  # how many amaxes were applied (tests, logging)
+        self._batch: Optional[AmaxBatch] = None  # the batch holding this history's amax, if any
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The scale the next quantization uses (a pending amax is applied first)."""
+        self._settle()
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: torch.Tensor) -> None:
+        self._settle()
+        self._scale = value
+
+    @property
+    def history(self) -> torch.Tensor:
+        self._settle()
+        return self._history
+
+    @history.setter
+    def history(self, value: torch.Tensor) -> None:
+        self._settle()
+        self._history = value
+
+    def _settle(self) -> None:
+        if self._batch is not None:
+            self._batch.flush()
 
     def record(self, amax: torch.Tensor) -> None:
-        """Record this step's amax (reduced over the group) and compute the next scale."""
+        """Record this step's amax (reduced over the group) and compute the next scale;
+        inside `batched_amax_reduction()` the reduction waits for the batch's flush."""
         amax = amax.detach().float().reshape(())
-        if self.history.device != amax.device:  # live where the tensors are (NCCL needs CUDA)
-            self.history = self.history.to(amax.device)
-            self.scale = self.scale.to(amax.device)
-        if self.group is not None and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+        self._settle()  # a second amax in one batch: the first is applied before it
+        if _ACTIVE is not None:
+            _ACTIVE.add(self, amax)
+            return
+        if self._reduces():
             amax = amax.clone()
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-        self.history = torch.roll(self.history, 1)
-        self.history[0] = amax
-        used = self.history.max() if self.algo == "max" else self.history[0]
-        self.scale = delayed_scale(used, self.scale, self.fmt, self.margin)
+        self._apply(amax)
+
+    def _reduces(self) -> bool:
+        return (self.group is not None and dist.is_initialized()
+                and dist.get_world_size(self.group) > 1)
+
+    def _apply(self, amax: torch.Tensor) -> None:
+        """Put an amax (already reduced) into the window and compute the next scale."""
+        if self._history.device != amax.device:  # live where the tensors are (NCCL needs CUDA)
+            self._history = self._history.to(amax.device)
+            self._scale = self._scale.to(amax.device)
+        self._history = torch.roll(self._history, 1)
+        self._history[0] = amax
+        used = self._history.max() if self.algo == "max" else self._history[0]
+        self._scale = delayed_scale(used, self._scale, self.fmt, self.margin)
         self.updates += 1
 
     def snapshot(self) -> "AmaxHistory":
-        """A detached copy with no reduction group (to inspect without advancing the state)."""
+        """A detached copy with no reduction group (to inspect without advancing the state).
+        Inside a batched region it applies a pending amax first: a collective, so call it on
+        every rank of the group there, or outside the region."""
         copy = AmaxHistory(self.fmt, len(self.history), self.algo, self.margin, None)
         copy.history, copy.scale = self.history.clone(), self.scale.clone()
         copy.updates = self.updates
         return copy
+
+
+class AmaxBatch:
+    """The amaxes recorded in one batched region, not yet reduced: at most one per history."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[AmaxHistory, torch.Tensor]] = []
+        self.collectives = 0  # all-reduces issued by this batch's flushes (tests, benchmarks)
+
+    def add(self, state: AmaxHistory, amax: torch.Tensor) -> None:
+        state._batch = self
+        self._pending.append((state, amax))
+
+    def flush(self) -> None:
+        """Reduce every pending amax, one all-reduce (MAX) per (group, device), in the order
+        the groups first recorded (the same on every rank: they run the same layers), then
+        apply them in the order they were recorded."""
+        pending, self._pending = self._pending, []
+        for state, _ in pending:
+            state._batch = None
+        buckets: dict[tuple, list[int]] = {}
+        for i, (state, amax) in enumerate(pending):
+            if state._reduces():
+                buckets.setdefault((id(state.group), amax.device), []).append(i)
+        reduced = [amax for _, amax in pending]
+        for members in buckets.values():
+            stacked = torch.stack([reduced[i] for i in members])
+            dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=pending[members[0]][0].group)
+            self.collectives += 1
+            for j, i in enumerate(members):
+                reduced[i] = stacked[j]
+        for (state, _), amax in zip(pending, reduced):
+            state._apply(amax)
+
+
+_ACTIVE: Optional[AmaxBatch] = None
+
+
+@contextlib.contextmanager
+def batched_amax_reduction() -> Iterator[AmaxBatch]:
+    """Reduce the delayed-scaling amaxes recorded in the block together, one collective per
+    group (per flush) instead of one per tensor; numerically the same as without it.
+
+    The block must run the same quantizations on every rank of each amax group, as it must
+    without batching. Nested blocks join the outermost. If the block raises, the pending
+    amaxes are dropped without communicating (a rank that failed must not wait in a
+    collective the others never reach); the failing run's FP8 state then lacks that step.
+    """
+    global _ACTIVE
+    if _ACTIVE is not None:
+        yield _ACTIVE
+        return
+    batch = _ACTIVE = AmaxBatch()
+    try:
+        yield batch
+    except BaseException:
+        _ACTIVE = None
+        for state, _ in batch._pending:
+            state._batch = None
+        batch._pending = []
+        raise
+    _ACTIVE = None
+    batch.flush()

@@ -15,6 +15,7 @@ from typing import Iterator, Literal, Optional
 
 import torch
 
+from megatron_calibclip.fp8.delayed import batched_amax_reduction
 from megatron_calibclip.fp8.recipe import FP8Recipe
 
 Mode = Literal["fp32", "bf16", "fp8"]
@@ -121,15 +122,21 @@ def set_precision(
 
 @contextlib.contextmanager
 def precision(
-    model: torch.nn.Module, mode: Mode, recipe: Optional[FP8Recipe] = None
+    model: torch.nn.Module, mode: Mode, recipe: Optional[FP8Recipe] = None, *,
+    batch_amax: bool = False,
 ) -> Iterator[PrecisionState]:
     """`with precision(model, "bf16"): ...` runs the block in `mode` and restores the
-    previous mode and recipe afterwards, also on error (the BF16 shadow pass)."""
+    previous mode and recipe afterwards, also on error (the BF16 shadow pass).
+
+    batch_amax: reduce the block's delayed-scaling amaxes in batches (one collective per
+    group per forward instead of one per tensor; fp8.delayed.batched_amax_reduction), for a
+    block that every rank of the amax group runs alike, as a rollout's decode loop does."""
     previous = get_precision(model)
     prev_mode, prev_recipe = previous.mode, previous.recipe
     state = set_precision(model, mode, recipe)
     try:
-        yield state
+        with batched_amax_reduction() if batch_amax else contextlib.nullcontext():
+            yield state
     finally:
         restored = set_precision(model, prev_mode, prev_recipe)
         restored.recipe = prev_recipe  # also when the block's recipe replaced "no recipe"

@@ -61,9 +61,9 @@ def evaluation_engine(c) -> RolloutEngine:
     if mode == "rollout":
         return c.engine
     recipe = c.cfg.rollout_recipe if mode == "fp8" else None
-    return MegatronRolloutEngine(c.policy, c.model_cfg.vocab_size, eos_id=c.tokenizer.eos_id,
-                                 pad_id=c.tokenizer.pad_id,
-                                 precision=lambda: precision(c.policy, mode, recipe))
+    return MegatronRolloutEngine(
+        c.policy, c.model_cfg.vocab_size, eos_id=c.tokenizer.eos_id, pad_id=c.tokenizer.pad_id,
+        precision=lambda: precision(c.policy, mode, recipe, batch_amax=True))
 
 
 def evaluate(c, updates: int, prefix: str = "eval") -> dict[str, float | str]:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_calibclip.fp8.delayed import batched_amax_reduction
 from megatron_calibclip.models.forward import position_ids_for
 from megatron_calibclip.parallel.devices import model_device
 from megatron_calibclip.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
@@ -114,15 +115,18 @@ def run_schedule(model, micro_batches: list[dict], loss_fn: Callable, *, forward
 
         return out, loss_func
 
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
-        model=[model],
-        num_microbatches=len(micro_batches),
-        seq_length=seq_length + (-seq_length % multiple),
-        micro_batch_size=micro_batches[0]["tokens"].shape[0],
-        forward_only=forward_only,
-    )
+    # delayed scaling: the amaxes of a micro-batch's forward and backward are reduced in one
+    # collective (per amax group), as TE reduces a region's; the same scales as one per tensor
+    with batched_amax_reduction():
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[model],
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length + (-seq_length % multiple),
+            micro_batch_size=micro_batches[0]["tokens"].shape[0],
+            forward_only=forward_only,
+        )
 
 
 @torch.no_grad()

@@ -41,7 +41,7 @@ def build_rollout_engine(cfg: TrainConfig, model_cfg: ModelConfig, policy: torch
         recipe = cfg.rollout_recipe
         return MegatronRolloutEngine(
             policy, model_cfg.vocab_size, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-            precision=lambda: precision(policy, cfg.rollout.precision, recipe))
+            precision=lambda: precision(policy, cfg.rollout.precision, recipe, batch_amax=True))
     from megatron_calibclip.rollout.vllm_engine import VllmRolloutEngine
 
     settings = cfg.rollout.vllm
