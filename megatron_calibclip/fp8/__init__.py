@@ -21,7 +21,7 @@ GPU: `te_config_kwargs(recipe)` -> TransformerConfig FP8 fields for the TE layer
 (`build_policy_model(cfg, backend="te", **te_config_kwargs(recipe))`); `set_precision`
 toggles `config.fp8` on such a model; `te_fp8_autocast(recipe)` for bare TE modules.
 """
-from megatron_calibclip.fp8.delayed import AmaxHistory
+from megatron_calibclip.fp8.delayed import AmaxHistory, PendingAmaxError, batched_amax_reduction
 from megatron_calibclip.fp8.formats import E4M3, E5M2, FORMATS, FP8Format
 from megatron_calibclip.fp8.linear import (
     EmulatedColumnParallelLinear,
@@ -55,6 +55,8 @@ __all__ = [
     "MX_BLOCK",
     "NonFiniteError",
     "AmaxHistory",
+    "PendingAmaxError",
+    "batched_amax_reduction",
     "EmulatedColumnParallelLinear",
     "EmulatedRowParallelLinear",
     "FP8Format",

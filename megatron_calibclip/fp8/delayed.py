@@ -15,8 +15,10 @@ leaves the FP8 state untouched.
 Step 2's reduction is one tiny collective per tensor per forward, unless it runs inside
 `batched_amax_reduction()`: there the amaxes wait and are reduced together, one collective per
 group, as TE reduces a region's amaxes in one buffer (amax_and_scale_update over the global
-buffer). A pending history is applied before its scale is next read or its next amax is
-recorded, so every quantization sees exactly the scale it would have seen without batching.
+buffer). A waiting amax is applied before the quantizers next read its scale
+(`quantize_scale()`) or its next amax is recorded, so every quantization sees exactly the
+scale it would have seen without batching; inspection (`scale`, `history`) never
+communicates and refuses while an amax waits.
 """
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ import torch.distributed as dist
 from megatron_calibclip.fp8.formats import FP8Format
 from megatron_calibclip.fp8.scales import delayed_scale
 from megatron_calibclip.parallel.devices import HOST
+
+
+class PendingAmaxError(RuntimeError):
+    """A delayed-scaling state was inspected while its amax waits in a batch."""
 
 
 class AmaxHistory:
@@ -49,29 +55,50 @@ class AmaxHistory:
         # on the host until the first amax arrives; record() moves them to its device
         self._history = torch.zeros(history_len, dtype=torch.float32, device=HOST)  # [0]: newest
         self._scale = torch.ones((), dtype=torch.float32, device=HOST)
-        self.updates = 0  # how many amaxes were applied (tests, logging)
+        self.updates = 0  # how many amaxes were applied (a waiting one is not counted yet)
         self._batch: Optional[AmaxBatch] = None  # the batch holding this history's amax, if any
+        self._detached = False  # a snapshot: its records apply at once, never join a batch
+
+    @property
+    def waiting(self) -> bool:
+        """Whether an amax of this history waits in a batch (not yet reduced and applied)."""
+        return self._batch is not None
+
+    def quantize_scale(self) -> torch.Tensor:
+        """The scale the next quantization uses. Inside a batch a waiting amax is reduced and
+        applied first: a collective, so only from code every rank of the group runs alike
+        (the quantizers and the weight cache)."""
+        self._settle()
+        return self._scale
 
     @property
     def scale(self) -> torch.Tensor:
-        """The scale the next quantization uses (a pending amax is applied first)."""
-        self._settle()
+        """The current scale, for inspection: never communicates, so it refuses to answer
+        while an amax waits (a rank-0 read would otherwise start a collective alone)."""
+        self._refuse_if_waiting("scale")
         return self._scale
 
     @scale.setter
     def scale(self, value: torch.Tensor) -> None:
-        self._settle()
+        self._refuse_if_waiting("scale")
         self._scale = value
 
     @property
     def history(self) -> torch.Tensor:
-        self._settle()
+        self._refuse_if_waiting("history")
         return self._history
 
     @history.setter
     def history(self, value: torch.Tensor) -> None:
-        self._settle()
+        self._refuse_if_waiting("history")
         self._history = value
+
+    def _refuse_if_waiting(self, what: str) -> None:
+        if self._batch is not None:
+            raise PendingAmaxError(
+                f"the delayed-scaling {what} was read inside batched_amax_reduction() while this "
+                "tensor's amax waits for its reduction; read it after the block, or use "
+                "quantize_scale() on every rank of the amax group")
 
     def _settle(self) -> None:
         if self._batch is not None:
@@ -82,7 +109,7 @@ class AmaxHistory:
         inside `batched_amax_reduction()` the reduction waits for the batch's flush."""
         amax = amax.detach().float().reshape(())
         self._settle()  # a second amax in one batch: the first is applied before it
-        if _ACTIVE is not None:
+        if _ACTIVE is not None and not self._detached:
             _ACTIVE.add(self, amax)
             return
         if self._reduces():
@@ -106,12 +133,13 @@ class AmaxHistory:
         self.updates += 1
 
     def snapshot(self) -> "AmaxHistory":
-        """A detached copy with no reduction group (to inspect without advancing the state).
-        Inside a batched region it applies a pending amax first: a collective, so call it on
-        every rank of the group there, or outside the region."""
-        copy = AmaxHistory(self.fmt, len(self.history), self.algo, self.margin, None)
-        copy.history, copy.scale = self.history.clone(), self.scale.clone()
-        copy.updates = self.updates
+        """A detached copy with no reduction group, to quantize without advancing the state
+        (the weight cache's verification). Like quantize_scale(), it first applies a waiting
+        amax: inside a batch, call it only where every rank of the group does."""
+        self._settle()
+        copy = AmaxHistory(self.fmt, len(self._history), self.algo, self.margin, None)
+        copy._history, copy._scale = self._history.clone(), self._scale.clone()
+        copy.updates, copy._detached = self.updates, True
         return copy
 
 
@@ -157,9 +185,12 @@ def batched_amax_reduction() -> Iterator[AmaxBatch]:
     group (per flush) instead of one per tensor; numerically the same as without it.
 
     The block must run the same quantizations on every rank of each amax group, as it must
-    without batching. Nested blocks join the outermost. If the block raises, the pending
-    amaxes are dropped without communicating (a rank that failed must not wait in a
-    collective the others never reach); the failing run's FP8 state then lacks that step.
+    without batching. Nested blocks join the outermost. Inside it, reading a waiting
+    history's `scale` raises PendingAmaxError rather than communicate. If the block raises,
+    the waiting amaxes are dropped without communicating: the failing rank does not enter
+    the flush (its peers wait in it, as they would have waited in the next per-tensor
+    all-reduce), and a caller that catches the error keeps histories advanced only up to
+    the last flush.
     """
     global _ACTIVE
     if _ACTIVE is not None:

@@ -41,7 +41,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 
 from megatron_calibclip.fp8 import native as native_kernels
 from megatron_calibclip.fp8.backend import check_backend_supports, linear_backend
-from megatron_calibclip.fp8.delayed import AmaxHistory
+from megatron_calibclip.fp8.delayed import AmaxHistory, PendingAmaxError
 from megatron_calibclip.fp8.formats import round_to_bf16
 from megatron_calibclip.fp8.gemm import gemm_path
 from megatron_calibclip.fp8.linear_gemm import _Gemm, _q, _qd, _state
@@ -261,13 +261,18 @@ class _EmulatedLinearMixin:
 
     def quantized_weight(self, axis: int = -1) -> torch.Tensor:
         """The weight as the next FP8 forward's GEMM would see it (inspection only: a
-        delayed-scaling history is not advanced)."""
+        delayed-scaling history is not advanced, nothing is communicated; PendingAmaxError
+        inside batched_amax_reduction() while the weight's amax waits)."""
         recipe = self.precision_state.recipe
         if recipe is None:
             raise ValueError("no FP8 recipe set on this layer (set_precision(model, 'fp8', r))")
         state = None
         if recipe.granularity == "delayed":
-            state = self.fp8_states(recipe)["weight"].snapshot()
+            history = self.fp8_states(recipe)["weight"]
+            if history.waiting:
+                raise PendingAmaxError("quantized_weight() inside batched_amax_reduction() while "
+                                       "the weight's amax waits: inspect after the block")
+            state = history.snapshot()
         weight = self.weight.detach().float()
         if recipe.weight_source == "bf16":
             weight = round_to_bf16(weight)

@@ -163,7 +163,7 @@ def quantize(
                 "delayed scaling needs the tensor's AmaxHistory: pass state=... "
                 "(an emulated linear keeps one per role)"
             )
-        scale = state.scale.to(blocks.device).reshape(1, 1)
+        scale = state.quantize_scale().to(blocks.device).reshape(1, 1)
         state.record(amax)  # after the scale was taken: the next step uses this amax
     else:
         scale = current_scale(amax, fmt, recipe.pow2_scales)

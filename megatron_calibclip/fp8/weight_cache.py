@@ -166,7 +166,7 @@ def _build(weight: torch.Tensor, recipe: Optional[FP8Recipe],
     w = _source(weight, recipe)
     scale = amax = None
     if state is not None:
-        scale, amax = state.scale.clone(), w.abs().amax()
+        scale, amax = state.quantize_scale().clone(), w.abs().amax()
     q = quantize(w, recipe, "weight", axis=-1, state=state)
     return WeightOperands(weight, recipe, None, q, amax=amax, scale=scale)
 
@@ -213,9 +213,10 @@ def _same_delayed_scale(state: AmaxHistory, entry: WeightOperands) -> bool:
     would wait for the device (a host synchronisation per linear per forward), so there a
     delayed-scaling weight is re-quantized instead: the same operands, and cheap next to
     its GEMM."""
-    if entry.scale.device.type != "cpu" or state.scale.device.type != "cpu":
+    scale = state.quantize_scale()
+    if entry.scale.device.type != "cpu" or scale.device.type != "cpu":
         return False
-    return torch.equal(state.scale, entry.scale)
+    return torch.equal(scale, entry.scale)
 
 
 class WeightCache:

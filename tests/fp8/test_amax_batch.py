@@ -4,12 +4,13 @@ as one reduction per tensor, in one collective per flush.
 References: the scale formula written out here (TE's (fp8_max / amax) / 2**margin over the
 window's max), and on gloo the same model and data run with batching switched off."""
 import contextlib
+import importlib
 
 import pytest
 import torch
 
 from megatron_calibclip.fp8 import FP8Recipe
-from megatron_calibclip.fp8.delayed import AmaxHistory, batched_amax_reduction
+from megatron_calibclip.fp8.delayed import AmaxHistory, PendingAmaxError, batched_amax_reduction
 from megatron_calibclip.fp8.formats import E4M3
 
 E4M3_MAX = 448.0
@@ -27,12 +28,14 @@ def test_reads_inside_a_batch_see_the_scale_without_batching():
     with batched_amax_reduction() as batch:
         a.record(torch.tensor(2.0))
         b.record(torch.tensor(8.0))
-        assert a._batch is batch and a.updates == 0  # waiting, not yet applied
-        seen_a.append(a.scale)  # a read applies the batch first
-        assert a.updates == 1 and b.updates == 1 and a._batch is None
+        assert a._batch is batch and a.waiting and a.updates == 0  # waiting, not yet applied
+        with pytest.raises(PendingAmaxError, match="quantize_scale"):
+            a.scale  # inspection never communicates: it refuses while an amax waits
+        seen_a.append(a.quantize_scale())  # the quantizers' read applies the batch first
+        assert a.updates == 1 and b.updates == 1 and not a.waiting
         a.record(torch.tensor(4.0))
         a.record(torch.tensor(1.0))  # a second amax of `a` in the batch: the first goes first
-        seen_b.append(b.scale)
+        seen_b.append(b.quantize_scale())
         b.record(torch.tensor(16.0))
     assert batch.collectives == 0  # no group: nothing to communicate
     assert torch.equal(seen_a[0], _hand_scale([2.0], 3))
@@ -64,12 +67,15 @@ def test_a_block_that_raises_drops_its_pending_amaxes():
     assert a.updates == 1
 
 
-def test_snapshot_inside_a_batch_includes_the_pending_amax():
+def test_snapshot_inside_a_batch_includes_the_pending_amax_and_stays_out_of_it():
     a = AmaxHistory(E4M3, 2, "max", 0)
     with batched_amax_reduction():
         a.record(torch.tensor(2.0))
         snap = a.snapshot()
-    assert torch.equal(snap.scale, _hand_scale([2.0], 2)) and snap.updates == 1
+        snap.record(torch.tensor(64.0))  # a snapshot's record applies at once, unbatched
+        assert not snap.waiting and snap.updates == 2
+    assert torch.equal(snap.scale, _hand_scale([2.0, 64.0], 2))
+    assert torch.equal(a.scale, _hand_scale([2.0], 2)) and a.updates == 1
 
 
 class _CountingDist:
@@ -175,25 +181,44 @@ def test_trainer_schedule_reduces_each_micro_batch_in_one_collective(dist_pool):
     assert all(torch.equal(x, y) for x, y in zip(batched[0]["scales"][-1], batched[1]["scales"][-1]))
 
 
-def _decode_body(rank, world_size, batched):
-    """The rollout's decode loop (MegatronRolloutEngine, as the trainer builds it) on a TP=2
-    tiny GPT in delayed FP8: 1 prompt pass + up to 5 decode steps."""
+def _decode_body(rank, world_size, which, batched):
+    """The decode loop of the rollout (trainer.rollout_factory.build_rollout_engine) or of the
+    held-out evaluation (trainer.evaluation.evaluation_engine), built as the trainer builds
+    it, on a TP=2 tiny GPT in delayed FP8: 1 prompt pass + up to 5 decode steps. `batched`
+    False switches the batching inside fp8.precision off (the reference)."""
+    import types
+
     import torch.distributed as dist
 
     import megatron_calibclip.fp8.delayed as delayed
-    from megatron_calibclip.fp8 import precision
+    from megatron_calibclip.config import from_dict
     from megatron_calibclip.parallel import model_parallel
-    from megatron_calibclip.rollout.engine import MegatronRolloutEngine
     from megatron_calibclip.rollout.sampling import SamplingParams
+    from megatron_calibclip.trainer import TrainConfig
+    from megatron_calibclip.trainer.evaluation import evaluation_engine
+    from megatron_calibclip.trainer.rollout_factory import build_rollout_engine
+    from tests.train_configs import TINY_TRAIN, merge
 
+    # the module (the package's `precision` attribute is the context-manager function)
+    precision_module = importlib.import_module("megatron_calibclip.fp8.precision")
     counter = _CountingDist(dist)
     delayed.dist = counter
+    real_batching = precision_module.batched_amax_reduction
+    if not batched:
+        precision_module.batched_amax_reduction = contextlib.nullcontext
     try:
         with model_parallel(tp=2):
-            cfg, model, recipe = _tiny_delayed_model()
-            engine = MegatronRolloutEngine(
-                model, cfg.vocab_size, eos_id=-1, pad_id=0,  # no EOS: every step decodes
-                precision=lambda: precision(model, "fp8", recipe, batch_amax=batched))
+            model_cfg, model, _ = _tiny_delayed_model()
+            cfg = from_dict(TrainConfig, merge(TINY_TRAIN, {
+                "rollout": {"engine": "megatron", "precision": "fp8"},
+                "evaluation": {"precision": "fp8"},
+                "fp8": {"granularity": "delayed", "amax_history_len": 4, "amax_reduction": "tp"}}))
+            tokenizer = types.SimpleNamespace(eos_id=-1, pad_id=0)  # no EOS: every step decodes
+            if which == "rollout":
+                engine = build_rollout_engine(cfg, model_cfg, model, tokenizer)
+            else:
+                engine = evaluation_engine(types.SimpleNamespace(
+                    cfg=cfg, policy=model, model_cfg=model_cfg, tokenizer=tokenizer, engine=None))
             batch = engine.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=1.0,
                                                                        max_new_tokens=6), seed=3)
             return {"tokens": batch.tokens, "lp": batch.rollout_logprobs,
@@ -201,12 +226,14 @@ def _decode_body(rank, world_size, batched):
                     "scales": [s.scale for s in _states(model)]}
     finally:
         delayed.dist = dist
+        precision_module.batched_amax_reduction = real_batching
 
 
 @pytest.mark.dist
-def test_rollout_decode_reduces_each_forward_in_one_collective(dist_pool):
+@pytest.mark.parametrize("which", ["rollout", "evaluation"])
+def test_decode_loops_reduce_each_forward_in_one_collective(dist_pool, which):
     pool = dist_pool(2)
-    batched, single = pool.run(_decode_body, True), pool.run(_decode_body, False)
+    batched, single = pool.run(_decode_body, which, True), pool.run(_decode_body, which, False)
     for b, s in zip(batched, single):
         assert torch.equal(b["tokens"], s["tokens"]) and torch.equal(b["lp"], s["lp"])
         assert all(torch.equal(x, y) for x, y in zip(b["scales"], s["scales"]))
