@@ -38,10 +38,18 @@ def _q1(iv: dict) -> str:
             0: "cannot tell"}[sign(d)] + f" ({evidence(d, 'fp8-tis - bf16')})"
 
 
+_RELATION = {1: "above", 0: "not distinguishable from", -1: "below"}
+
+
 def _q2(iv: dict) -> str:
+    """'Recover' presupposes a gap: only when FP8 + TIS is measurably behind BF16 is the
+    calibrated arm's place between them a recovery; otherwise the answer says so first."""
     up, vs_bf16 = iv[("fp8-calibrated", "fp8-tis")], iv[("fp8-calibrated", "bf16")]
-    s_up, s_bf = sign(up), sign(vs_bf16)
-    if s_up > 0:
+    s_up, s_bf, s_gap = sign(up), sign(vs_bf16), sign(iv[("fp8-tis", "bf16")])
+    if s_gap >= 0:
+        head = (f"no gap to recover: FP8 + TIS is {_RELATION[s_gap].replace('above', 'ahead of')} "
+                f"BF16; Calibrated Clipping is {_RELATION[s_up]} FP8 + TIS and {_RELATION[s_bf]} BF16")
+    elif s_up > 0:
         head = {0: "yes: above FP8 + TIS and not distinguishable from BF16",
                 -1: "in part: above FP8 + TIS but still below BF16",
                 1: "yes: above FP8 + TIS and above BF16"}[s_bf]
