@@ -146,7 +146,7 @@ def _forest_panel(ax, seeds: SeedRuns, colors: dict) -> None:
 
 
 MARKERS = ("o", "s", "^", "v", "P", "X")
-BOUND_TICKS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.2, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
+BOUND_TICKS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
 
 
 def _bounds_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:
@@ -173,20 +173,43 @@ def _bounds_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:
     values = sorted(finals)
     bottom, top = math.log(min(drawn + values)), math.log(max(drawn + values))
     span = max(top - bottom, math.log(2.0))  # in log r
+    low, high = bottom - 0.1 * span, top + 0.1 * span
     ax.set_yscale("log")
-    ax.set_ylim(math.exp(bottom - 0.1 * span), math.exp(top + 0.1 * span))
-    ax.yaxis.set_major_locator(FixedLocator([t for t in BOUND_TICKS
-                                             if bottom - 0.1 * span <= math.log(t) <= top + 0.1 * span]))
     ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlim(0, seeds.target * 1.6)
-    placed = []
-    for v in values:  # push labels apart (in log r) so that close values stay readable
-        pos = max(math.log(v), placed[-1] + 0.07 * span) if placed else math.log(v)
-        placed.append(pos)
-        ax.annotate(f"{v:.2f}: " + "\n".join(finals[v]), (seeds.target - 1, v),
-                    (seeds.target + 2, math.exp(pos)), fontsize=7, va="center",
+    high = _label_bounds(ax, finals, seeds.target, low, high)
+    ax.set_ylim(math.exp(low), math.exp(high))
+    ax.yaxis.set_major_locator(FixedLocator([t for t in BOUND_TICKS if low <= math.log(t) <= high]))
+
+
+LABEL_POINTS = 7  # font size of the bound labels
+
+
+def _label_bounds(ax, finals: dict, target: int, low: float, high: float) -> float:
+    """Name the arms at each final bound at the right edge, pushed apart (bottom up) so that
+    no two labels overlap, from the panel's size in the figure (lay the figure out first);
+    returns the top of the y range (log r), raised if the labels need it."""
+    fig = ax.figure
+    panel_points = ax.get_position().height * fig.get_figheight() * 72
+    for _ in range(3):  # a raised top shrinks the lines' height in log r: place again
+        line = LABEL_POINTS * 1.3 / panel_points * (high - low)  # one text line, in log r
+        placed: list[tuple[float, int]] = []  # (centre, lines)
+        for v in sorted(finals):
+            pos, lines = math.log(v), len(finals[v])
+            if placed:
+                prev, prev_lines = placed[-1]
+                pos = max(pos, prev + line * ((prev_lines + lines) / 2 + 0.4))
+            placed.append((pos, lines))
+        needed = placed[-1][0] + line * (placed[-1][1] / 2 + 0.4)
+        if needed <= high:
+            break
+        high = needed
+    for v, (pos, _) in zip(sorted(finals), placed):
+        ax.annotate(f"{v:.2f}: " + "\n".join(finals[v]), (target - 1, v), (target + 2, math.exp(pos)),
+                    fontsize=LABEL_POINTS, va="center",
                     arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.6})
+    return high
 
 
 def plot_seeds(seeds: SeedRuns, out_png: Path) -> Path:
@@ -199,6 +222,9 @@ def plot_seeds(seeds: SeedRuns, out_png: Path) -> Path:
     arms = [a for a in seeds.arms() if seeds.usable(a)]
     colors = arm_colors(arms)
     fig, axes = plt.subplots(3, 3, figsize=(18, 13.5))
+    # fixed margins, not tight_layout: as legible here, several times faster on a shared CPU,
+    # and known before drawing (the bound labels are spaced from the panel's size)
+    fig.subplots_adjust(left=0.055, right=0.985, bottom=0.05, top=0.925, wspace=0.5, hspace=0.3)
     curve_axes = (axes[0, 0], axes[1, 0], axes[1, 1], axes[1, 2], axes[2, 0])
     for (title, key, ylabel), ax in zip(CURVES, curve_axes):
         _curve_panel(ax, seeds, arms, colors, key)
@@ -226,8 +252,6 @@ def plot_seeds(seeds: SeedRuns, out_png: Path) -> Path:
     fig.suptitle(f"paired seeds, steps 0-{seeds.target - 1}: bold = mean over seeds ({SMOOTH}-step "
                  f"rolling), band / bars = min-max across seeds; diamonds = last-{WINDOW} means",
                  y=0.995, fontsize=11)
-    # fixed margins, not tight_layout: as legible here, and several times faster on a shared CPU
-    fig.subplots_adjust(left=0.055, right=0.985, bottom=0.05, top=0.925, wspace=0.5, hspace=0.3)
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=80)

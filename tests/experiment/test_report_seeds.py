@@ -283,6 +283,38 @@ def test_bounds_panel_is_logarithmic_with_geometric_means(seed_folder):
     plt.close(fig)
 
 
+def test_bounds_labels_do_not_overlap(seed_folder):
+    """The right-edge labels name every arm at each final bound; three arms share H = 1.2 and
+    two share L = 0.8 (seed 2000's figure: the three-line 1.20 label ran into the 0.80
+    one). Drawn in the figure's own layout, no two labels' boxes overlap."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megatron_calibclip.experiment.report_figure_seeds import ARM_COLORS, _bounds_panel
+
+    path = seed_folder / "seed-1" / "fp8-calibrated" / "metrics.jsonl"
+    recs = _read(seed_folder, 1, "fp8-calibrated")
+    for r in recs:  # a wide calibrated pair, as seed 2000's
+        r["clip/upper"], r["clip/lower"] = (6.53, 0.101) if r["step"] < 40 else (2.26, 0.37)
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    seeds = load_seeds(seed_folder)
+    fig, axes = plt.subplots(3, 3, figsize=(18, 13.5))
+    fig.subplots_adjust(left=0.055, right=0.985, bottom=0.05, top=0.925, wspace=0.5, hspace=0.3)
+    ax = axes[2, 2]
+    _bounds_panel(ax, seeds, list(ARM_COLORS), ARM_COLORS)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in ax.texts]
+    # 1.20 (3 arms), 0.80 (2 arms), the L-only L, the calibrated L and H: 5 labels, 8 lines
+    assert len(boxes) == 5
+    assert sum(t.get_text().count("\n") + 1 for t in ax.texts) == 8
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b), (a, b)
+    plt.close(fig)
+
+
 def test_runs_section_says_which_code_the_used_runs_ran(seed_folder):
     """A run is used whatever commit it ran, so the Runs section says whether the used runs
     share one commit and names any run with uncommitted changes or several commits: a seed
