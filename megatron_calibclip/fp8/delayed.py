@@ -154,6 +154,12 @@ class AmaxBatch:
         state._batch = self
         self._pending.append((state, amax))
 
+    def discard(self) -> None:
+        """Drop every pending amax without communicating (a block that raised)."""
+        for state, _ in self._pending:
+            state._batch = None
+        self._pending = []
+
     def flush(self) -> None:
         """Reduce every pending amax, one all-reduce (MAX) per (group, device), in the order
         the groups first recorded (the same on every rank: they run the same layers), then
@@ -201,9 +207,7 @@ def batched_amax_reduction() -> Iterator[AmaxBatch]:
         yield batch
     except BaseException:
         _ACTIVE = None
-        for state, _ in batch._pending:
-            state._batch = None
-        batch._pending = []
+        batch.discard()
         raise
     _ACTIVE = None
     batch.flush()

@@ -98,6 +98,26 @@ def _states(model):
     return [s for m in emulated_linears(model) for s in m._amax_states.values()]
 
 
+@contextlib.contextmanager
+def _counted_amax_reductions(module, batched):
+    """Count fp8.delayed's all-reduces; with `batched` False, `module`'s batched_amax_reduction
+    (the name it imported) is switched off for the block (the reference run)."""
+    import torch.distributed as dist
+
+    import megatron_calibclip.fp8.delayed as delayed
+
+    counter = _CountingDist(dist)
+    delayed.dist = counter
+    real_batching = module.batched_amax_reduction
+    if not batched:
+        module.batched_amax_reduction = contextlib.nullcontext
+    try:
+        yield counter
+    finally:
+        delayed.dist = dist
+        module.batched_amax_reduction = real_batching
+
+
 def _tiny_delayed_model():
     """The tiny GPT with emulated linears and a delayed recipe, amaxes reduced over TP."""
     from megatron_calibclip.fp8 import fp8_linear_classes
@@ -111,19 +131,11 @@ def _tiny_delayed_model():
 def _trainer_body(rank, world_size, batched):
     """Two steps of the trainer's schedule (log-probs forward, update forward + backward, 3
     micro-batches each) on a TP=2 tiny GPT in delayed FP8, amaxes reduced over TP."""
-    import torch.distributed as dist
-
-    import megatron_calibclip.fp8.delayed as delayed
     import megatron_calibclip.trainer.forward as fwd
     from megatron_calibclip.fp8 import set_precision
     from megatron_calibclip.parallel import model_parallel
 
-    counter = _CountingDist(dist)
-    delayed.dist = counter
-    real_batching = fwd.batched_amax_reduction
-    if not batched:
-        fwd.batched_amax_reduction = contextlib.nullcontext
-    try:
+    with _counted_amax_reductions(fwd, batched) as counter:
         with model_parallel(tp=2):
             cfg, model, recipe = _tiny_delayed_model()
             set_precision(model, "fp8", recipe)
@@ -151,9 +163,6 @@ def _trainer_body(rank, world_size, batched):
             out["calls"] = calls
             out["n_linears"] = len(_states(model)) // 3
             out["updates"] = sorted({s.updates for s in _states(model)})
-    finally:
-        delayed.dist = dist
-        fwd.batched_amax_reduction = real_batching
     return out
 
 
@@ -188,9 +197,6 @@ def _decode_body(rank, world_size, which, batched):
     False switches the batching inside fp8.precision off (the reference)."""
     import types
 
-    import torch.distributed as dist
-
-    import megatron_calibclip.fp8.delayed as delayed
     from megatron_calibclip.config import from_dict
     from megatron_calibclip.parallel import model_parallel
     from megatron_calibclip.rollout.sampling import SamplingParams
@@ -201,12 +207,7 @@ def _decode_body(rank, world_size, which, batched):
 
     # the module (the package's `precision` attribute is the context-manager function)
     precision_module = importlib.import_module("megatron_calibclip.fp8.precision")
-    counter = _CountingDist(dist)
-    delayed.dist = counter
-    real_batching = precision_module.batched_amax_reduction
-    if not batched:
-        precision_module.batched_amax_reduction = contextlib.nullcontext
-    try:
+    with _counted_amax_reductions(precision_module, batched) as counter:
         with model_parallel(tp=2):
             model_cfg, model, _ = _tiny_delayed_model()
             cfg = from_dict(TrainConfig, merge(TINY_TRAIN, {
@@ -224,9 +225,6 @@ def _decode_body(rank, world_size, which, batched):
             return {"tokens": batch.tokens, "lp": batch.rollout_logprobs,
                     "calls": counter.all_reduces, "n_linears": len(_states(model)) // 3,
                     "scales": [s.scale for s in _states(model)]}
-    finally:
-        delayed.dist = dist
-        precision_module.batched_amax_reduction = real_batching
 
 
 @pytest.mark.dist
