@@ -16,7 +16,8 @@ Every correction has one contract, ``(log_w, mask, config) -> (weights, counts)`
 log_w = log pi_old - log mu (detached, 0 under padding), weights the per-token factor of
 the surrogate (None: no re-weighting), counts its summable numerators (their fractions
 are declared in diagnostics.FRACTIONS). A new correction is one function under
-``@register_correction("name")``; LossConfig accepts the name from then on.
+``@register_correction("name")``; LossConfig accepts the name from then on, and the loss
+applies it through correction_term.py.
 
 Note: corrections fix the rollout-vs-trainer ratio; they do not touch the trainer's own
 PPO ratio noise that Calibrated Clipping targets (see the SPEC).
@@ -24,7 +25,7 @@ PPO ratio noise that Calibrated Clipping targets (see the SPEC).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, Optional
+from typing import Callable, Literal, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -33,28 +34,39 @@ from megatron_calibclip.config import ConfigError
 from megatron_calibclip.rl import _validation as V
 from megatron_calibclip.rl.diagnostics import count
 
-if TYPE_CHECKING:
-    from megatron_calibclip.rl.loss_config import LossConfig
-    from megatron_calibclip.rl.loss_inputs import TokenBatch
-
 # The built-in corrections (registered below); the YAML section accepts these names.
 CorrectionName = Literal["none", "tis", "mis-token", "mis-seq", "mis-token-two-sided"]
 SeqWeight = Literal["product", "geometric"]
 SEQ_WEIGHTS: tuple[str, ...] = ("product", "geometric")
-CorrectionFn = Callable[[Tensor, Tensor, "LossConfig"], tuple[Optional[Tensor], dict[str, Tensor]]]
+
+
+class CorrectionOptions(Protocol):
+    """The options a correction reads; loss_config.LossConfig has them. A protocol, not
+    LossConfig itself, because LossConfig checks its `correction` against this registry: the
+    registry sits below it and does not import it."""
+
+    @property
+    def correction_cap(self) -> float: ...
+    @property
+    def correction_cap_low(self) -> float: ...
+    @property
+    def mis_seq_weight(self) -> SeqWeight: ...
+
+
+CorrectionFn = Callable[[Tensor, Tensor, CorrectionOptions], tuple[Optional[Tensor], dict[str, Tensor]]]
 
 
 @dataclass(frozen=True)
 class Correction:
     fn: CorrectionFn  # (log_w, mask, config) -> (weights or None, counts)
-    check: Callable[["LossConfig"], None] | None = None  # raises ConfigError on a bad option
+    check: Callable[[CorrectionOptions], None] | None = None  # raises ConfigError on a bad option
 
 
 CORRECTIONS: dict[str, Correction] = {}
 
 
 def register_correction(
-    name: str, *, check: Callable[["LossConfig"], None] | None = None
+    name: str, *, check: Callable[[CorrectionOptions], None] | None = None
 ) -> Callable[[CorrectionFn], CorrectionFn]:
     """Register ``fn`` under ``name``; ``check(config)`` validates the options it reads."""
     def add(fn: CorrectionFn) -> CorrectionFn:
@@ -114,25 +126,25 @@ def mis_weights(
 
 
 @register_correction("none")
-def no_correction(log_w: Tensor, mask: Tensor, config: LossConfig) -> tuple[None, dict[str, Tensor]]:
+def no_correction(log_w: Tensor, mask: Tensor, config: CorrectionOptions) -> tuple[None, dict[str, Tensor]]:
     """No re-weighting (the probability-error metric is still logged with rollout log-probs)."""
     return None, {}
 
 
 @register_correction("tis")
-def tis_correction(log_w: Tensor, mask: Tensor, config: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+def tis_correction(log_w: Tensor, mask: Tensor, config: CorrectionOptions) -> tuple[Tensor, dict[str, Tensor]]:
     weights, capped = tis_weights(log_w, mask, cap=config.correction_cap)
     return weights, {"tis_capped_tokens": count(capped)}
 
 
 @register_correction("mis-token")
-def mis_token_correction(log_w: Tensor, mask: Tensor, config: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+def mis_token_correction(log_w: Tensor, mask: Tensor, config: CorrectionOptions) -> tuple[Tensor, dict[str, Tensor]]:
     weights, rejected = mis_weights(log_w, mask, cap=config.correction_cap, level="token")
     return weights, {"mis_rejected_tokens": count(rejected)}
 
 
 @register_correction("mis-seq")
-def mis_seq_correction(log_w: Tensor, mask: Tensor, config: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+def mis_seq_correction(log_w: Tensor, mask: Tensor, config: CorrectionOptions) -> tuple[Tensor, dict[str, Tensor]]:
     weights, rejected = mis_weights(
         log_w, mask, cap=config.correction_cap, level="sequence", seq_weight=config.mis_seq_weight
     )
@@ -140,7 +152,7 @@ def mis_seq_correction(log_w: Tensor, mask: Tensor, config: LossConfig) -> tuple
     return weights, {"mis_rejected_tokens": count(rejected), "mis_rejected_seqs": count(seqs)}
 
 
-def _check_band(config: LossConfig) -> None:
+def _check_band(config: CorrectionOptions) -> None:
     low, high = config.correction_cap_low, config.correction_cap
     if not 0.0 < low < high:
         raise ConfigError(
@@ -151,7 +163,7 @@ def _check_band(config: LossConfig) -> None:
 
 @register_correction("mis-token-two-sided", check=_check_band)
 def mis_token_two_sided_correction(
-    log_w: Tensor, mask: Tensor, config: LossConfig
+    log_w: Tensor, mask: Tensor, config: CorrectionOptions
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """icepop-style: weight w where C_low <= w <= C, else 0 (the token leaves the gradient)."""
     w = torch.exp(log_w.detach())
@@ -159,23 +171,6 @@ def mis_token_two_sided_correction(
     rejected = low | (mask & (w > config.correction_cap))
     weights = torch.where(mask & ~rejected, w, torch.zeros_like(w))
     return weights, {"mis_rejected_tokens": count(rejected), "mis_rejected_low_tokens": count(low)}
-
-
-def rollout_correction(batch: TokenBatch, config: LossConfig) -> tuple[Tensor | None, dict[str, Tensor]]:
-    """The configured correction's weights (None: none) and counts, plus the probability error.
-
-    Nothing without rollout log-probs; with them, mult_prob_error_sum (exp|log w|) always,
-    is_weight_sum when the correction re-weights.
-    """
-    if batch.rollout is None:
-        return None, {}
-    log_w = rollout_log_weight(batch.old, batch.rollout, batch.mask)
-    counts = {"mult_prob_error_sum": count(torch.where(batch.mask, torch.exp(log_w.abs()), batch.zero))}
-    weights, own = CORRECTIONS[config.correction].fn(log_w, batch.mask, config)
-    if weights is not None:
-        counts["is_weight_sum"] = count(weights)
-    counts.update(own)
-    return weights, counts
 
 
 CORRECTION_MODES: tuple[str, ...] = tuple(name for name in CORRECTIONS if name != "none")  # built-in

@@ -5,7 +5,7 @@ correction or penalty is added without reading the others (README.md, "Adding a 
 
     inputs  LossInputs + LossConfig -> TokenBatch       loss_inputs.py (checks, padding)
     1. clipped surrogate with [L, H], dual-clip         surrogate.py
-    2. rollout correction, by name from a registry      corrections.py
+    2. rollout correction, by name from a registry      corrections.py, correction_term.py
     3. penalties: KL, entropy bonus                     penalties.py
     4. aggregation to the shard's contribution          aggregation.py
     5. diagnostics: clip / phantom counts, extrema      loss_diagnostics.py, diagnostics.py
@@ -20,7 +20,7 @@ from typing import Any
 from torch import Tensor
 
 from megatron_calibclip.rl.aggregation import aggregate
-from megatron_calibclip.rl.corrections import rollout_correction
+from megatron_calibclip.rl.correction_term import rollout_correction
 from megatron_calibclip.rl.diagnostics import finalize_metrics
 from megatron_calibclip.rl.loss_config import LossConfig
 from megatron_calibclip.rl.loss_diagnostics import clip_counts, ratio_extrema, shadow_counts

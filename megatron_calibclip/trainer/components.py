@@ -160,7 +160,7 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
 
         heldout = heldout_prompts(cfg, records, tokenizer)
 
-    spec = trainer_layer_spec(cfg, model_cfg)  # megatron's TE spec, or ours (te_run.py)
+    spec = trainer_layer_spec(cfg.fp8, model_cfg)  # megatron's TE spec, or ours (te_run.py)
     bf16_params = cfg.model.resolved_params_dtype() == "bf16"
     device = compute_device()
     policy = build_policy_model(model_cfg, spec=spec, seed=cfg.run.seed,
@@ -179,8 +179,8 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
     copy_weights(policy, reference)
     set_precision(reference, "bf16" if ref_dtype == torch.bfloat16 else "fp32")
     set_precision(policy, cfg.precision, cfg.fp8)
-    if trainer_backend(cfg) == "te":
-        prepare_te_model(policy, cfg)
+    if trainer_backend(cfg.fp8) == "te":
+        prepare_te_model(policy, cfg.fp8, cfg.parallel.tp)
     if cfg.model.offload_reference and device.type != "cpu":
         place_on_device(reference, HOST)  # visits the GPU only for its forward (step.py)
 

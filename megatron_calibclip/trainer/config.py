@@ -354,8 +354,10 @@ class TrainConfig:
             except ConfigError as err:  # name the section the recipe came from
                 message = str(err).removeprefix("fp8.backend")
                 raise ConfigError(f"{section}.backend{message}") from None
-        if trainer_backend(self) == "te":
-            check_te_run(self)
+        if trainer_backend(self.fp8) == "te":
+            check_te_run(params_dtype=self.model.resolved_params_dtype(),
+                         rollout_engine=self.rollout.engine,
+                         recipes_in_use=self.fp8_recipes_in_use())
 
     @property
     def rollout_recipe(self) -> FP8Recipe:

@@ -234,8 +234,9 @@ def test_each_recipe_can_run_on_an_h100(recipe):
     backend, why = run_backend(cfg.fp8.backend, cfg.fp8, machine=H100)
     assert backend == "te", why
     check_backend_supports(backend, cfg.fp8.granularity)
-    assert trainer_backend(cfg, machine=H100) == "te"
-    check_te_run(cfg, device=((9, 0), "12.9"))
+    assert trainer_backend(cfg.fp8, machine=H100) == "te"
+    check_te_run(params_dtype=cfg.model.resolved_params_dtype(), rollout_engine=cfg.rollout.engine,
+                 recipes_in_use=cfg.fp8_recipes_in_use(), device=((9, 0), "12.9"))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)

@@ -116,18 +116,12 @@ def trainer_params_dtype(device: str) -> torch.dtype:
 
 def trainer_backend_for(device: str, recipe) -> str:
     """'te' when the trainer, given this FP8 recipe on `device`, builds megatron's TE spec,
-    else 'ours' (our linears). The same decision as trainer/te_run.trainer_backend (which
-    reads a whole TrainConfig): fp8/backend.run_backend, for this device."""
-    from megatron_calibclip.config import ConfigError
-    from megatron_calibclip.fp8.backend import run_backend
+    else 'ours' (our linears): trainer/te_run.trainer_backend, with `device` in place of the
+    machine it runs on (--device cpu on a CUDA machine takes the CPU's path)."""
+    from megatron_calibclip.trainer.te_run import trainer_backend
 
     cuda = device == "cuda"
-    machine = (cuda, cuda and te_installed(), hasattr(torch, "_scaled_mm"))
-    try:
-        backend, _ = run_backend(recipe.backend, recipe, machine=machine)
-    except ConfigError:
-        return "ours"
-    return "te" if backend == "te" else "ours"
+    return trainer_backend(recipe, machine=(cuda, cuda and te_installed(), hasattr(torch, "_scaled_mm")))
 
 
 def build_gpt(shape: ModelShape, device: str, spec: str, seed: Optional[int] = 0,

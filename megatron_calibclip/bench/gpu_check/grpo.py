@@ -51,15 +51,13 @@ REFERENCE = ("the trainer's own thresholds: every step completes with finite los
 
 def trainer_path(opts: CheckOptions) -> tuple[str, str]:
     """(trainer backend, rollout engine) for this run: te_run.trainer_backend on the FP8
-    section the configs use (it reads only cfg.fp8); TE runs roll out with vLLM."""
-    from types import SimpleNamespace
-
+    section the configs use; TE runs roll out with vLLM."""
     from megatron_calibclip.fp8 import FP8Recipe
     from megatron_calibclip.trainer.te_run import trainer_backend
 
     if opts.device != "cuda":  # --device cpu on a CUDA machine: the CPU's path
         return "ours", "megatron"
-    backend = trainer_backend(SimpleNamespace(fp8=FP8Recipe.from_dict(FP8_SECTION)))
+    backend = trainer_backend(FP8Recipe.from_dict(FP8_SECTION))
     return backend, "vllm" if backend == "te" else "megatron"
 
 
