@@ -48,7 +48,7 @@ def seeds_section(seeds: Optional[SeedRuns], figure: Optional[Path], doc_dir: Pa
     return "\n\n".join(parts)
 
 
-def _samples(seeds: Optional[SeedRuns], args: argparse.Namespace) -> str:
+def samples_section(seeds: Optional[SeedRuns], args: argparse.Namespace) -> str:
     """The samples section; SamplesError when an explicit request cannot be met."""
     asked = args.samples_at is not None or args.samples_seed is not None
     steps = parse_steps(args.samples_at) if args.samples_at is not None else None
@@ -90,7 +90,7 @@ def run_report(args: argparse.Namespace) -> int:
         print(f"{PROG}: no <arm>/metrics.jsonl and no seed-<n>/<arm>/ under {folder}", file=sys.stderr)
         return 2
     try:
-        samples = _samples(seeds, args)
+        samples = samples_section(seeds, args)
     except SamplesError as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 2
