@@ -70,8 +70,10 @@ def values_by_step(records: list[dict], key: str) -> list[tuple[int, float]]:
 
 
 def mean_of(pairs: list[tuple[int, float]]) -> Optional[float]:
-    """Mean of the values of (step, value) pairs; None for none."""
-    return sum(v for _, v in pairs) / len(pairs) if pairs else None
+    """Mean of the values of (step, value) pairs; None for none. math.fsum: correctly rounded,
+    so the report reads the same under every Python (3.12's sum() compensates, 3.11's does not,
+    and a mean on a rounding tie then prints differently)."""
+    return math.fsum(v for _, v in pairs) / len(pairs) if pairs else None
 
 
 def heldout(records: list[dict]) -> list[tuple[float, float]]:
@@ -210,7 +212,7 @@ def report_tables(arms: dict[str, list[dict]]) -> str:
 
 def rolling_mean(ys: list[float], n: int) -> list[float]:
     """Mean of each value and the up to n - 1 before it (the curves' smoothing)."""
-    return [sum(ys[max(0, i - n + 1): i + 1]) / len(ys[max(0, i - n + 1): i + 1])
+    return [math.fsum(ys[max(0, i - n + 1): i + 1]) / len(ys[max(0, i - n + 1): i + 1])
             for i in range(len(ys))]
 
 

@@ -50,9 +50,9 @@ def _band(runs: dict, key: str, target: int, smooth: int = SMOOTH, geometric: bo
     xs = [s for s in range(target) if all(s in d for d in per_seed)]
     cols = [[d[s] for d in per_seed] for s in xs]
     if geometric:
-        mean = [math.exp(sum(math.log(v) for v in c) / len(c)) for c in cols]
+        mean = [math.exp(math.fsum(math.log(v) for v in c) / len(c)) for c in cols]
     else:
-        mean = [sum(c) / len(c) for c in cols]
+        mean = [math.fsum(c) / len(c) for c in cols]
     return xs, mean, [min(c) for c in cols], [max(c) for c in cols]
 
 
@@ -75,11 +75,11 @@ def _last_markers(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:
     """Shade the last-WINDOW steps; per arm, the mean of the seeds' last-window means and their range."""
     ax.axvspan(seeds.target - WINDOW, seeds.target - 1, color="0.9", zorder=0)
     for i, arm in enumerate(arms):
-        means = [sum(v for _, v in pts) / len(pts) for run in seeds.usable(arm).values()
+        means = [math.fsum(v for _, v in pts) / len(pts) for run in seeds.usable(arm).values()
                  if (pts := [p for p in values_by_step(run.records, "reward_mean")
                              if p[0] >= seeds.target - WINDOW])]
         if means:
-            m = sum(means) / len(means)
+            m = math.fsum(means) / len(means)
             ax.errorbar([seeds.target + 2 + 2 * i], [m], yerr=_bars(m, means),
                         fmt="D", color=colors[arm], ms=6, capsize=3)
     ax.text(seeds.target - WINDOW / 2, ax.get_ylim()[0], f"last {WINDOW}", ha="center", va="bottom",
@@ -94,7 +94,7 @@ def _offset_errorbars(ax, arms: list[str], colors: dict, points: dict, spread: f
             continue
         shift = (i - (len(arms) - 1) / 2) * spread
         vals = [points[arm][x] for x in xs]
-        means = [sum(v) / len(v) for v in vals]
+        means = [math.fsum(v) / len(v) for v in vals]
         bars = [_bars(m, v) for m, v in zip(means, vals)]
         yerr = [[b[0][0] for b in bars], [b[1][0] for b in bars]]
         ax.errorbar([x + shift for x in xs], means, yerr=yerr, fmt="o-", color=colors[arm], ms=4,

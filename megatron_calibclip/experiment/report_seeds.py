@@ -9,6 +9,7 @@ a report never silently mixes finished and running arms.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -172,7 +173,7 @@ def run_quantities(records: list[dict], target: int) -> dict[str, Optional[float
     held = [acc for updates, acc in heldout(records) if updates >= HELDOUT_FROM]
     return {
         "reward_last": mean("reward_mean", last, target),
-        "heldout": sum(held) / len(held) if held else None,
+        "heldout": math.fsum(held) / len(held) if held else None,
         "phantom_early": mean("loss/phantom_clipfrac", 0, WINDOW),
         "phantom_late": mean("loss/phantom_clipfrac", WINDOW, target),
         "clipped_early": mean("loss/clipfrac_lower", 0, WINDOW),
