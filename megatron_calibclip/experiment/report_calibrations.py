@@ -93,5 +93,9 @@ def _summary(effective: list[Calibration]) -> str:
     single = sum(1 for k in ks if k == 1)
     return (f"Of the {plural(len(ks), 'calibration')} that took effect, {single} rested on a single "
             f"BF16-clipped A<0 token (L* then the smallest FP8 ratio of the step's A<0 tokens); "
-            f"k ranged {min(ks)}-{max(ks)}, median {statistics.median(ks):g}. A fallback keeps the "
-            "bounds in force (reason codes: docs/calibration.md, \"Guards\").")
+            f"k ranged {min(ks)}-{max(ks)}, median {statistics.median(ks):g}. L* is what a "
+            "calibration reads, not the L it sets: L = min(L*, 1 - eps_low) (widen-only), and after "
+            "a run's first effective calibration log-smoothed with the L in force (log L <- beta "
+            "log L + (1 - beta) log L*), so an L* near 1 pulls L back toward 1 - eps_low, never "
+            "above it. A fallback keeps the bounds in force (reason codes: docs/calibration.md, "
+            "\"Guards\").")

@@ -1,7 +1,9 @@
 """The second round's figure, built around the paired comparison.
 
-Per arm: the mean over seeds (bold) and the spread across seeds (band / error bars: min to
-max); the training reward with its last-20 window shaded and a marker per arm for the
+Per arm: the mean over seeds (bold) and the seeds themselves: with few seeds (SEED_LINES) each
+seed's curve (thin), since a mean and min-max band of two seeds that disagree draw a line no run
+had and a band over the whole panel; with more, the band (min to max); error bars: min to max.
+The training reward with its last-20 window shaded and a marker per arm for the
 last-20 mean; held-out accuracy with error bars; the paired differences with their 95%
 t-intervals; and the quantities the reading rests on (entropy, KL, EOS fraction, rollout/
 trainer mismatch, phantom clips, clip bounds). The bounds are drawn per step as in force, on
@@ -13,7 +15,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullFormatter
+from matplotlib.ticker import FixedLocator, FormatStrFormatter, MaxNLocator, NullFormatter
 
 from megatron_calibclip.experiment.report import (SMOOTH, STEP_WINDOW, WINDOW, heldout, rolling_mean,
                                                   values_by_step, window_means)
@@ -24,7 +26,7 @@ from megatron_calibclip.experiment.report_seeds import HELDOUT_FROM, SeedRuns, q
 ARM_COLORS = {"bf16": "tab:blue", "fp8-tis": "tab:purple", "fp8-calibrated": "tab:green",
               "fp8-calibrated-l-only": "tab:orange"}
 OTHER_COLORS = ("tab:red", "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan")
-CURVES = (  # (panel title, key, y label): per-step panels drawn as mean + band across seeds
+CURVES = (  # (panel title, key, y label): per-step panels drawn as mean + seeds (or band)
     ("training reward (sampled)", "reward_mean", "mean reward"),
     ("entropy (mean over response tokens)", "loss/entropy_mean", "nats"),
     ("KL to the reference", "loss/kl_mean", "k3 KL"),
@@ -38,15 +40,24 @@ def arm_colors(arms: list[str]) -> dict[str, str]:
     return {a: ARM_COLORS.get(a) or next(others) for a in arms}
 
 
-def _band(runs: dict, key: str, target: int, smooth: int = SMOOTH, geometric: bool = False
-          ) -> tuple[list[int], list[float], list[float], list[float]]:
-    """(steps, mean, min, max) across seeds of each seed's `smooth`-step rolling mean of `key`
-    (`geometric`: the mean of the seeds is geometric, for ratios such as the clip bounds)."""
+SEED_LINES = 3  # an arm with at most this many used seeds draws each seed, not a band
+
+
+def _seed_curves(runs: dict, key: str, target: int, smooth: int = SMOOTH) -> list[dict[int, float]]:
+    """Each seed's `smooth`-step rolling mean of `key`, {step: value}, in the runs' order."""
     per_seed = []
     for run in runs.values():
         pts = dict(values_by_step(run.records, key))
         steps = [s for s in range(target) if s in pts]
         per_seed.append(dict(zip(steps, rolling_mean([pts[s] for s in steps], smooth))))
+    return per_seed
+
+
+def _band(runs: dict, key: str, target: int, smooth: int = SMOOTH, geometric: bool = False
+          ) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(steps, mean, min, max) across seeds of each seed's `smooth`-step rolling mean of `key`
+    (`geometric`: the mean of the seeds is geometric, for ratios such as the clip bounds)."""
+    per_seed = _seed_curves(runs, key, target, smooth)
     xs = [s for s in range(target) if all(s in d for d in per_seed)]
     cols = [[d[s] for d in per_seed] for s in xs]
     if geometric:
@@ -57,11 +68,32 @@ def _band(runs: dict, key: str, target: int, smooth: int = SMOOTH, geometric: bo
 
 
 def _curve_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict, key: str) -> None:
+    """Per arm the mean over seeds (bold) over each seed's curve (thin) when the arm has at
+    most SEED_LINES seeds (seeds 0.0 and 0.99 apart would draw a mean of 0.5 no run had, in a
+    band over the whole panel), else over the min-max band."""
     for arm in arms:
-        xs, mean, lo, hi = _band(seeds.usable(arm), key, seeds.target)
-        if xs:
+        runs = seeds.usable(arm)
+        xs, mean, lo, hi = _band(runs, key, seeds.target)
+        if not xs:
+            continue
+        if len(runs) <= SEED_LINES:
+            for curve in _seed_curves(runs, key, seeds.target):
+                steps = sorted(curve)
+                ax.plot(steps, [curve[s] for s in steps], color=colors[arm], lw=0.9, alpha=0.5)
+        else:
             ax.fill_between(xs, lo, hi, color=colors[arm], alpha=0.15, lw=0)
-            ax.plot(xs, mean, color=colors[arm], lw=1.8)
+        ax.plot(xs, mean, color=colors[arm], lw=1.8)
+
+
+def _spread_text(seed_counts: list[int]) -> str:
+    """What the figure draws around the means, for the arms' numbers of used seeds."""
+    few = [n <= SEED_LINES for n in seed_counts]
+    if all(few):
+        return "thin: each seed; bars = min-max across seeds"
+    if not any(few):
+        return "band / bars = min-max across seeds"
+    return (f"thin: each seed (arms of <= {SEED_LINES} seeds), band (more seeds) / bars = min-max "
+            "across seeds")
 
 
 def _bars(mean: float, values: list[float]) -> list[list[float]]:
@@ -121,28 +153,46 @@ def _phantom_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:
     _offset_errorbars(ax, arms, colors, points, spread=1.2)
 
 
+ROW_POINTS = 9  # font size of the forest panel's row labels
+FOREST_ROOM = 0.035  # figure width the forest panel gives up on its left, for its row labels
+
+
+def _forest_row(ax, y: float, diffs: dict, iv, color: str) -> bool:
+    """One pair's row, drawn bottom up: the mean (diamond), the interval over it with caps (so
+    a short one still shows; black and thick when it excludes 0), the seeds' dots on top with
+    a white edge. Returns whether the interval excludes 0."""
+    excludes = iv is not None and iv.excludes_zero()
+    if iv is not None:
+        ax.plot([iv.mean], [y], "D", color=color, ms=7, zorder=2)
+        if iv.low is not None:
+            ax.plot([iv.low, iv.high], [y, y], color="k" if excludes else color, lw=3.5 if excludes else 1.8,
+                    marker="|", ms=12, mew=2.5 if excludes else 1.5, solid_capstyle="butt", zorder=3)
+    ax.plot(list(diffs.values()), [y] * len(diffs), "o", ls="none", mfc="0.15", mec="white", mew=0.9,
+            ms=5, zorder=4)
+    return excludes
+
+
 def _forest_panel(ax, seeds: SeedRuns, colors: dict) -> None:
-    """Paired differences: each seed a dot, the mean a marker, the 95% t-interval a bar; one
-    group of rows per metric, headed by its name."""
+    """Paired differences: each seed a dot, the mean a diamond, the 95% t-interval a bar; one
+    group of rows per metric, headed by its name; a row whose interval excludes 0 ends in '*'."""
     labels, y = quantity_labels(seeds.target), 0.0
-    ticks = []
+    ticks, marked = [], False
     for q in METRICS:
-        ax.text(0.01, y - 0.35, labels[q], transform=ax.get_yaxis_transform(), fontsize=8,
-                style="italic", va="center")
+        ax.text(0.01, y - 0.35, labels[q], transform=ax.get_yaxis_transform(), fontsize=ROW_POINTS,
+                style="italic", va="center", bbox={"fc": "white", "ec": "none", "pad": 1}, zorder=5)
         y -= 0.5
         for (arm, base), (diffs, iv) in pair_intervals(seeds, q).items():
             y -= 1
-            ticks.append((y, pair_label(arm, base)))
-            ax.plot(list(diffs.values()), [y] * len(diffs), "o", color="0.3", ms=3, alpha=0.7)
-            if iv is not None:
-                if iv.low is not None:
-                    ax.plot([iv.low, iv.high], [y, y], color=colors.get(arm, "k"), lw=2.5)
-                ax.plot([iv.mean], [y], "D", color=colors.get(arm, "k"), ms=6)
+            excludes = _forest_row(ax, y, diffs, iv, colors.get(arm, "k"))
+            ticks.append((y, pair_label(arm, base) + (" *" if excludes else "")))
+            marked |= excludes
         y -= 0.6
-    ax.axvline(0, color="k", lw=0.8)
+    ax.axvline(0, color="k", lw=0.8, zorder=1)
     ax.set_ylim(y + 0.3, 0.2)
-    ax.set_yticks([t for t, _ in ticks], [text for _, text in ticks], fontsize=7)
+    ax.set_yticks([t for t, _ in ticks], [text for _, text in ticks], fontsize=ROW_POINTS)
     ax.set_xlabel("difference (arm - baseline)")
+    ax.set_title("paired differences: dots = seeds, diamond = mean,\nbar = 95% t-interval"
+                 + ("; * interval excludes 0" if marked else ""), fontsize=11)
 
 
 MARKERS = ("o", "s", "^", "v", "P", "X")
@@ -154,8 +204,10 @@ def _bounds_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:
     geometric mean over seeds with their min-max band, on a logarithmic axis: bounds are
     ratios, and a calibrated pair can span 0.1 to 6.5 beside the fixed 0.8 and 1.2. Arms with
     equal bounds share a line, so each arm's markers sit at its own steps (staggered) and the
-    right edge names every arm per value. The y range holds every step's bound, not only the
-    final ones."""
+    right edge names every arm per value (at the last step: not the tables' means over steps).
+    The y range holds every step's bound, not only the final ones."""
+    ax.set_title("clip bounds in force (L solid, H dashed); band: min-max\nbold = geometric mean over "
+                 "seeds; right edge: at the last step", fontsize=10)
     finals, drawn = {}, []
     every = max(seeds.target // 10, len(arms))
     for i, arm in enumerate(arms):
@@ -177,10 +229,16 @@ def _bounds_panel(ax, seeds: SeedRuns, arms: list[str], colors: dict) -> None:
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
     ax.yaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlim(0, seeds.target * 1.6)
+    ax.set_xlim(0, seeds.target * 1.6)  # room for the labels, but ticks only at steps run
+    ax.xaxis.set_major_locator(FixedLocator(_step_ticks(seeds.target)))
     high = _label_bounds(ax, finals, seeds.target, low, high)
     ax.set_ylim(math.exp(low), math.exp(high))
     ax.yaxis.set_major_locator(FixedLocator([t for t in BOUND_TICKS if low <= math.log(t) <= high]))
+
+
+def _step_ticks(target: int) -> list[float]:
+    """Round ticks from step 0 to the last step (target - 1), none in the labels' room after it."""
+    return [t for t in MaxNLocator(nbins=6, integer=True).tick_values(0, target - 1) if 0 <= t <= target - 1]
 
 
 LABEL_POINTS = 7  # font size of the bound labels
@@ -212,8 +270,8 @@ def _label_bounds(ax, finals: dict, target: int, low: float, high: float) -> flo
     return high
 
 
-def plot_seeds(seeds: SeedRuns, out_png: Path) -> Path:
-    """Write the paired-seed figure of the used runs to `out_png`."""
+def seeds_figure(seeds: SeedRuns):
+    """The paired-seed figure of the used runs (a matplotlib Figure; the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -234,13 +292,13 @@ def plot_seeds(seeds: SeedRuns, out_png: Path) -> Path:
     _heldout_panel(axes[0, 1], seeds, arms, colors)
     axes[0, 1].set_title(f"held-out greedy accuracy (BF16); dotted: {HELDOUT_FROM} updates")
     axes[0, 1].set_xlabel("updates applied")
+    box = axes[0, 2].get_position()
+    axes[0, 2].set_position([box.x0 + FOREST_ROOM, box.y0, box.width - FOREST_ROOM, box.height])
     _forest_panel(axes[0, 2], seeds, colors)
-    axes[0, 2].set_title("paired differences: seeds (dots), mean, 95% t-interval")
     _phantom_panel(axes[2, 1], seeds, arms, colors)
     axes[2, 1].set_title(f"phantom clips, A<0 ({STEP_WINDOW}-step windows; steps with A<0 tokens)")
     axes[2, 1].set_ylabel("fraction of A<0 tokens")
     _bounds_panel(axes[2, 2], seeds, arms, colors)
-    axes[2, 2].set_title("clip bounds in force (L solid, H dashed)")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         if ax is not axes[0, 2] and ax is not axes[0, 1]:
@@ -250,8 +308,16 @@ def plot_seeds(seeds: SeedRuns, out_png: Path) -> Path:
     fig.legend(handles, [f"{a} ({plural(len(seeds.usable(a)), 'seed')})" for a in arms], loc="upper center",
                ncol=len(arms), fontsize=10, frameon=False, bbox_to_anchor=(0.5, 0.985))
     fig.suptitle(f"paired seeds, steps 0-{seeds.target - 1}: bold = mean over seeds ({SMOOTH}-step "
-                 f"rolling), band / bars = min-max across seeds; diamonds = last-{WINDOW} means",
-                 y=0.995, fontsize=11)
+                 f"rolling), {_spread_text([len(seeds.usable(a)) for a in arms])}; diamonds = "
+                 f"last-{WINDOW} means", y=0.995, fontsize=11)
+    return fig
+
+
+def plot_seeds(seeds: SeedRuns, out_png: Path) -> Path:
+    """Write the paired-seed figure of the used runs to `out_png`."""
+    fig = seeds_figure(seeds)
+    import matplotlib.pyplot as plt
+
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=80)

@@ -13,13 +13,14 @@ from typing import Optional
 
 from megatron_calibclip.experiment.report import WINDOW, ranges
 from megatron_calibclip.experiment.report_seeds import (
-    HELDOUT_FROM, SeedRuns, heldout_problems, paired, quantity_labels, reward_noise)
+    HELDOUT_FROM, NOISE_FLOORED, SeedRuns, heldout_noise, heldout_problems, paired, paired_floor,
+    quantity_labels, reward_noise)
 from megatron_calibclip.experiment.report_stats import LEVEL, Interval, t_interval, t_quantile
 
 # (arm, baseline): each difference is arm - baseline within one seed
 PAIRS = (("fp8-tis", "bf16"), ("fp8-calibrated", "fp8-tis"), ("fp8-calibrated", "bf16"),
          ("fp8-calibrated-l-only", "fp8-tis"), ("fp8-calibrated", "fp8-calibrated-l-only"))
-DIGITS = {"mismatch": 4, "kl_last": 4}  # every other quantity: 3
+DIGITS = {"mismatch": 4, "mismatch_max": 4, "kl_last": 4}  # every other quantity: 3
 
 
 def pair_label(arm: str, base: str) -> str:
@@ -28,13 +29,15 @@ def pair_label(arm: str, base: str) -> str:
 
 def coverage(seeds: SeedRuns) -> str:
     """Markdown: every seed x arm, its steps, whether it is used (or why not), commit, samples."""
-    rows = ["| seed | arm | steps | used | commit | samples |", "|---|---|---|---|---|---|"]
+    rows = ["| seed | arm | steps | used | commit | samples | minutes of steps |",
+            "|---|---|---|---|---|---|---|"]
     for seed in seeds.seeds():
         for arm in seeds.arms():
             run, why = seeds.runs.get((seed, arm)), seeds.why_not(seed, arm)
             steps = ranges(run.steps) if run and run.steps else "none"
+            minutes = f"{run.minutes:.0f}" if run and run.minutes is not None else "n/a"
             rows.append(f"| {seed} | {arm} | {steps} | {'yes' if why is None else 'no: ' + why} "
-                        f"| {run.commit if run else 'n/a'} | {run.samples if run else 0} |")
+                        f"| {run.commit if run else 'n/a'} | {run.samples if run else 0} | {minutes} |")
     used = [f"{a} (seeds {ranges(sorted(seeds.usable(a)))})" for a in seeds.arms() if seeds.usable(a)]
     left = [f"seed-{s}/{a} ({seeds.why_not(s, a)})" for s in seeds.seeds() for a in seeds.arms()
             if seeds.why_not(s, a) is not None]
@@ -105,15 +108,17 @@ def interval_text(iv: Optional[Interval], digits: int = 3) -> str:
     if iv.low is None:
         return f"{number(iv.mean, digits, True)} (1 seed: no interval)"
     return (f"{number(iv.mean, digits, True)} [{number(iv.low, digits, True)}, "
-            f"{number(iv.high, digits, True)}]")
+            f"{number(iv.high, digits, True)}]" + (" (floor)" if iv.floored else ""))
 
 
 def pair_intervals(seeds: SeedRuns, quantity: str) -> dict[tuple[str, str], tuple[dict, Optional[Interval]]]:
-    """{(arm, base): ({seed: difference}, interval)} for every pair of PAIRS."""
+    """{(arm, base): ({seed: difference}, interval)} for every pair of PAIRS; the quantities
+    whose within-run noise is known (NOISE_FLOORED) take it as the floor of s."""
     out = {}
     for arm, base in PAIRS:
         diffs = paired(seeds, quantity, arm, base)
-        out[(arm, base)] = (diffs, t_interval(list(diffs.values())))
+        floor = paired_floor(seeds, quantity, arm, base) if quantity in NOISE_FLOORED else 0.0
+        out[(arm, base)] = (diffs, t_interval(list(diffs.values()), floor=floor))
     return out
 
 
@@ -129,7 +134,10 @@ def paired_table(seeds: SeedRuns) -> str:
                  for diffs, iv in pair_intervals(seeds, q).values()]
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + (f"\n\nMean of the per-seed differences [{LEVEL:.0%} t-interval] (each "
-                              "seed's difference in seed order); only seeds where both arms are used.")
+                              "seed's difference in seed order); only seeds where both arms are used. "
+                              "(floor): s raised to the measurement-noise floor (below). An interval "
+                              "reaching past what a quantity can be (a fraction's difference beyond "
+                              "+-1) says only that the seeds disagree.")
 
 
 def method_text(seeds: SeedRuns) -> str:
@@ -145,15 +153,23 @@ def method_text(seeds: SeedRuns) -> str:
             f"{(1 + LEVEL) / 2:.3f} quantile. {quant or 'Fewer than 2 paired seeds: no interval'}. "
             f"With few seeds the interval is wide: only a difference that is large and consistent "
             f"across seeds excludes 0, and an interval that includes 0 means 'cannot tell', not "
-            f"'equal'. Held-out accuracy of a run: the mean of its evaluations after "
-            f"{HELDOUT_FROM} or more updates.")
+            f"'equal'. Noise floor (training reward and held-out accuracy, [ours]): a per-seed "
+            f"difference carries its two runs' within-run noise (the standard errors of the Noise "
+            f"table), so s is taken as at "
+            f"least sqrt(mean over seeds of noise(arm)^2 + noise(base)^2); otherwise two "
+            f"differences that agree by luck would give a narrow interval (marked '(floor)' where "
+            f"the floor is larger than s). Held-out accuracy of a run: the mean of its evaluations "
+            f"after {HELDOUT_FROM} or more updates (updates: RL steps applied; each makes one "
+            f"optimizer step per mini-batch).")
 
 
 def noise_text(seeds: SeedRuns) -> str:
-    """Markdown: within-run and between-seed noise of the last-20 reward, held-out binomial noise."""
+    """Markdown: within-run and between-seed noise of the last-20 reward and the held-out mean,
+    and the binomial error of one held-out evaluation."""
     rows = [f"| arm | used seeds | within-run SE of the last-{WINDOW} reward (mean over seeds) "
-            f"| between-seed sd of the last-{WINDOW} reward | held-out binomial SE of one evaluation |",
-            "|---|---|---|---|---|"]
+            f"| between-seed sd of the last-{WINDOW} reward | within-run SE of the held-out mean "
+            f"(mean over seeds) | between-seed sd of the held-out mean | held-out binomial SE of "
+            f"one evaluation |", "|---|---|---|---|---|---|---|"]
     within_all = []
     for arm in seeds.arms():
         runs = seeds.usable(arm)
@@ -161,17 +177,23 @@ def noise_text(seeds: SeedRuns) -> str:
             continue
         within = [w for r in runs.values() if (w := reward_noise(r.records, seeds.target)) is not None]
         within_all += within
+        held_within = [w for r in runs.values() if (w := heldout_noise(r.records)) is not None]
         last = [v for s in runs if (v := seeds.quantities(s, arm)["reward_last"]) is not None]
         held = [(v, n) for s, r in runs.items() if (v := seeds.quantities(s, arm)["heldout"]) is not None
                 and (n := heldout_problems(r.records))]
-        binom = (math.sqrt(statistics.fmean(p for p, _ in held) * (1 - statistics.fmean(p for p, _ in held))
-                           / statistics.fmean(n for _, n in held)) if held else None)
-        rows.append(f"| {arm} | {len(runs)} | {number(statistics.fmean(within) if within else None)} "
-                    f"| {number(statistics.stdev(last) if len(last) >= 2 else None)} | {number(binom)} |")
+        p = statistics.fmean(v for v, _ in held) if held else None
+        binom = math.sqrt(p * (1 - p) / statistics.fmean(n for _, n in held)) if held else None
+        cells = (statistics.fmean(within) if within else None,
+                 statistics.stdev(last) if len(last) >= 2 else None,
+                 statistics.fmean(held_within) if held_within else None,
+                 statistics.stdev([v for v, _ in held]) if len(held) >= 2 else None, binom)
+        rows.append(f"| {arm} | {len(runs)} | " + " | ".join(number(c) for c in cells) + " |")
     summary = (f"Within one run, a last-{WINDOW} reward mean carries about +-"
                f"{number(statistics.fmean(within_all) if within_all else None)} (std of its per-step "
-               f"rewards / sqrt({WINDOW}), mean over the used runs) if the steps were independent. The "
-               f"binomial SE is sqrt(p (1 - p) / problems) at the arm's mean held-out accuracy p; "
-               f"the evaluations of one run reuse the same problems, so their mean is not "
-               f"{HELDOUT_FROM}+ updates' worth of independent evaluations.")
+               f"rewards / sqrt({WINDOW}), mean over the used runs) if the steps were independent; "
+               f"the held-out mean likewise (std of its evaluations after {HELDOUT_FROM}+ updates / "
+               f"sqrt(their number)). The binomial SE is sqrt(p (1 - p) / problems) at the arm's "
+               f"mean held-out accuracy p: how far one evaluation's problems could move it. Every "
+               f"evaluation of every arm decodes the same problems greedily, so that part is shared "
+               f"by the arms and not in the paired differences' noise floor.")
     return "\n".join(rows) + "\n\n" + summary

@@ -42,6 +42,13 @@ class ArmRun:
     def commit(self) -> str:
         return str(self.info.get("commit") or "n/a")[:10]
 
+    @property
+    def minutes(self) -> Optional[float]:
+        """Minutes of steps (the sum of time/step): what the run cost, whatever sessions it
+        spanned (run_info's segments time only the last resumption)."""
+        times = [r["time/step"] for r in self.records if isinstance(r.get("time/step"), (int, float))]
+        return math.fsum(times) / 60 if times else None
+
 
 def read_jsonl(path: Path) -> tuple[list[dict], int]:
     """(records, unreadable lines): a copy taken while the arm writes may end mid-line."""
@@ -158,7 +165,8 @@ def quantity_labels(target: int) -> dict[str, str]:
         "upper_late": f"upper bound H in force, {last}",
         "entropy_last": f"entropy, last {WINDOW} steps",
         "eos_last": f"EOS fraction, last {WINDOW} steps",
-        "mismatch": "mult. prob. error, all steps",
+        "mismatch": "rollout/trainer mismatch (mult. prob. error), mean of all steps",
+        "mismatch_max": "rollout/trainer mismatch (mult. prob. error), largest step",
         "kl_last": f"KL to reference, last {WINDOW} steps",
     }
 
@@ -184,6 +192,8 @@ def run_quantities(records: list[dict], target: int) -> dict[str, Optional[float
         "entropy_last": mean("loss/entropy_mean", last, target),
         "eos_last": mean("eos_fraction", last, target),
         "mismatch": mean("loss/mult_prob_error", 0, target),
+        "mismatch_max": max((v for s, v in values_by_step(records, "loss/mult_prob_error") if s < target),
+                            default=None),
         "kl_last": mean("loss/kl_mean", last, target),
     }
 
@@ -193,11 +203,44 @@ def reward_noise(records: list[dict], target: int) -> Optional[float]:
     return standard_error([v for s, v in values_by_step(records, "reward_mean") if s >= target - WINDOW])
 
 
+def heldout_noise(records: list[dict]) -> Optional[float]:
+    """Within-run noise of the held-out mean: std of the evaluations after HELDOUT_FROM updates
+    / sqrt(their number). Greedy decoding on fixed problems: what moves an evaluation is the
+    model between evaluations, as the per-step rewards move within the last 20 steps."""
+    return standard_error([acc for updates, acc in heldout(records) if updates >= HELDOUT_FROM])
+
+
 def heldout_problems(records: list[dict]) -> Optional[float]:
     """How many problems one held-out evaluation of the run scored."""
     sizes = [r[k] for r in records for k in ("eval/problems", "eval_final/problems")
              if isinstance(r.get(k), (int, float))]
     return float(max(sizes)) if sizes else None
+
+
+def measurement_noise(records: list[dict], quantity: str, target: int) -> Optional[float]:
+    """The within-run noise of one run's value of `quantity`, where it is known; None elsewhere:
+    the standard error of the mean it is (std of the values averaged / sqrt(their number), as
+    if independent). Last-20 reward: reward_noise; held-out accuracy: heldout_noise."""
+    if quantity == "reward_last":
+        return reward_noise(records, target)
+    if quantity == "heldout":
+        return heldout_noise(records)
+    return None
+
+
+NOISE_FLOORED = ("reward_last", "heldout")  # the quantities whose within-run noise is known
+
+
+def paired_floor(seeds: SeedRuns, quantity: str, arm: str, base: str) -> float:
+    """The measurement noise of one per-seed difference arm - base: sqrt(mean over the paired
+    seeds of noise(arm)^2 + noise(base)^2); 0 where the noise of a run is not known."""
+    terms = []
+    for seed in paired(seeds, quantity, arm, base):
+        noise = [measurement_noise(seeds.runs[(seed, a)].records, quantity, seeds.target) for a in (arm, base)]
+        if None in noise:
+            return 0.0
+        terms.append(noise[0] ** 2 + noise[1] ** 2)
+    return math.sqrt(math.fsum(terms) / len(terms)) if terms else 0.0
 
 
 def paired(seeds: SeedRuns, quantity: str, arm: str, base: str) -> dict[int, float]:

@@ -57,24 +57,32 @@ class Interval:
     mean: float
     low: Optional[float]
     high: Optional[float]
+    floored: bool = False  # s was raised to the measurement-noise floor (t_interval)
 
     def excludes_zero(self) -> bool:
         return self.low is not None and (self.low > 0 or self.high < 0)
 
 
-def t_interval(values: Sequence[float], level: float = LEVEL) -> Optional[Interval]:
-    """mean +- t_{(1+level)/2, n-1} * s / sqrt(n), s the sample standard deviation (n - 1).
+def t_interval(values: Sequence[float], level: float = LEVEL, floor: float = 0.0) -> Optional[Interval]:
+    """mean +- t_{(1+level)/2, n-1} * max(s, floor) / sqrt(n), s the sample standard deviation
+    (n - 1).
 
     Across seeds of paired differences: the seeds are the independent units; with 3 seeds the
-    t quantile is 4.30, so the interval is wide by construction."""
+    t quantile is 4.30, so the interval is wide by construction. floor: the measurement noise
+    of one value (a per-seed difference holds its runs' within-run noise, so the spread of
+    such values cannot truly be smaller); with 2 or 3 seeds an s far below it is luck (two
+    differences that happen to agree), and raising s to it keeps such luck from reading as
+    a finding. 0: the plain t-interval."""
     vals = [float(v) for v in values]
     if not vals:
         return None
     mean = statistics.fmean(vals)
     if len(vals) < 2:
         return Interval(len(vals), mean, None, None)
-    half = t_quantile((1 + level) / 2, len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
-    return Interval(len(vals), mean, mean - half, mean + half)
+    s = statistics.stdev(vals)
+    floored = floor > s
+    half = t_quantile((1 + level) / 2, len(vals) - 1) * max(s, floor) / math.sqrt(len(vals))
+    return Interval(len(vals), mean, mean - half, mean + half, floored)
 
 
 def standard_error(values: Sequence[float]) -> Optional[float]:

@@ -35,7 +35,8 @@ def records(seed: int, arm: str, steps: int = STEPS) -> list[dict]:
              "loss/phantom_clipfrac": 0.0 if no_neg else PHANTOM[arm] * (2.0 if s < 20 else 1.0),
              "loss/clipfrac_lower": 0.0 if no_neg else 0.02 + PHANTOM[arm],
              "neg_tokens": 0.0 if no_neg else 150.0, "clip/lower": lower, "clip/upper": upper,
-             "loss/clipfrac_upper": 0.0 if no_pos else CLIP_UP[arm], "pos_tokens": 0.0 if no_pos else 90.0}
+             "loss/clipfrac_upper": 0.0 if no_pos else CLIP_UP[arm], "pos_tokens": 0.0 if no_pos else 90.0,
+             "time/step": 30.0 + seed}
         if s % 10 == 0:
             r.update({"eval/accuracy": HELD[arm] + 0.01 * seed, "eval/updates": float(s),
                       "eval/problems": 100.0})

@@ -61,6 +61,8 @@ def test_table_rows_and_summary(tmp_path):
     # effective: k = 3, 1, 1 -> two single-token calibrations of three, range 1-3, median 1
     assert "Of the 3 calibrations that took effect, 2 rested on a single" in text
     assert "k ranged 1-3, median 1." in text
+    # an L* near 1 (seed 2000's step 40 read 0.991) is not the L set: widen-only, then smoothing
+    assert "L = min(L*, 1 - eps_low) (widen-only)" in text and "never above it" in text
 
 
 def test_no_calibrated_run(tmp_path):

@@ -2,12 +2,13 @@
 against means computed here from the written files (and the t quantile of test_report_stats),
 runs left out with their reason, generated answers, samples, idempotence and bad input."""
 import json
+import math
 import statistics
 
 import pytest
 
 from megatron_calibclip.experiment.report_answers import answers
-from megatron_calibclip.experiment.report_paired import coverage, pair_intervals, paired_table
+from megatron_calibclip.experiment.report_paired import arm_table, coverage, pair_intervals, paired_table
 from megatron_calibclip.experiment.report_seeds import load_seeds
 
 from .seed_runs import write_run, write_seeds
@@ -26,6 +27,15 @@ def _read(folder, seed, arm):
 
 def _last20_reward(recs):
     return statistics.fmean(r["reward_mean"] for r in recs if r["step"] >= 80)
+
+
+def _reward_floor(folder, arm, base, seeds):
+    """The noise floor of arm - base: sqrt(mean over seeds of se(arm)^2 + se(base)^2), se the
+    standard error of a run's last-20 per-step rewards."""
+    def se2(seed, name):
+        rewards = [r["reward_mean"] for r in _read(folder, seed, name) if r["step"] >= 80]
+        return statistics.variance(rewards) / len(rewards)
+    return math.sqrt(statistics.fmean(se2(s, arm) + se2(s, base) for s in seeds))
 
 
 def _phantom_late(recs):  # over the steps with A<0 tokens only
@@ -74,9 +84,15 @@ def test_paired_differences_and_intervals_match_a_hand_computation(seed_folder):
     per_seed = _diff(seed_folder, _last20_reward, "fp8-tis", "bf16", (1, 2, 3))
     diffs, iv = pair_intervals(seeds, "reward_last")[("fp8-tis", "bf16")]
     assert diffs == pytest.approx(per_seed)
-    m, lo, hi = hand_interval(list(per_seed.values()))
-    assert (iv.n, iv.mean, iv.low, iv.high) == (3, pytest.approx(m), pytest.approx(lo, abs=1e-6),
-                                                pytest.approx(hi, abs=1e-6))
+    floor = _reward_floor(seed_folder, "fp8-tis", "bf16", (1, 2, 3))
+    assert floor > statistics.stdev(per_seed.values())  # the +-0.2 wiggle: the floor decides
+    m, lo, hi = hand_interval(list(per_seed.values()), floor=floor)
+    assert (iv.n, iv.mean, iv.low, iv.high, iv.floored) == (
+        3, pytest.approx(m), pytest.approx(lo, abs=1e-6), pytest.approx(hi, abs=1e-6), True)
+    # a quantity without a known within-run noise keeps the plain interval
+    phantom = _diff(seed_folder, _phantom_late, "fp8-tis", "bf16", (1, 2, 3))
+    _, iv_phantom = pair_intervals(seeds, "phantom_late")[("fp8-tis", "bf16")]
+    assert (iv_phantom.low, iv_phantom.floored) == (pytest.approx(hand_interval(list(phantom.values()))[1]), False)
     # fp8-calibrated - fp8-calibrated-l-only: only seed 1 has both used
     diffs, iv = pair_intervals(seeds, "phantom_late")[("fp8-calibrated", "fp8-calibrated-l-only")]
     assert list(diffs) == [1]
@@ -87,23 +103,23 @@ def test_paired_differences_and_intervals_match_a_hand_computation(seed_folder):
     diffs, iv = pair_intervals(seeds, "heldout")[("fp8-calibrated-l-only", "fp8-tis")]
     assert list(diffs.values()) == pytest.approx(held)
     row = [line for line in paired_table(seeds).splitlines() if line.startswith("| training reward")][0]
-    assert f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]" in row
+    assert f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}] (floor)" in row
     assert " / ".join(f"{d:+.3f}" for d in per_seed.values()) in row
 
 
 def test_answers_follow_the_intervals(seed_folder):
     seeds = load_seeds(seed_folder)
     text = answers(seeds)
-    q1, q2, q3 = text.splitlines()
+    q1, q2, q3 = [line for line in text.splitlines() if line.startswith("- **")]
     tis = list(_diff(seed_folder, _last20_reward, "fp8-tis", "bf16", (1, 2, 3)).values())
-    _, lo, hi = hand_interval(tis)
+    _, lo, hi = hand_interval(tis, floor=_reward_floor(seed_folder, "fp8-tis", "bf16", (1, 2, 3)))
     assert hi < 0  # the synthetic FP8 + TIS arm is 0.2 below BF16 in every seed
     assert "on training reward, last 20 steps: yes, FP8 + TIS falls behind BF16" in q1
-    assert f"[{lo:+.3f}, {hi:+.3f}] over 3 seeds: interval excludes 0" in q1
+    assert f"[{lo:+.3f}, {hi:+.3f}] (floor) over 3 seeds: interval excludes 0" in q1
     cal = list(_diff(seed_folder, _last20_reward, "fp8-calibrated", "fp8-tis", (1, 3)).values())
-    _, lo, hi = hand_interval(cal)
-    verdict = "excludes 0" if lo > 0 or hi < 0 else "includes 0: cannot tell"
-    assert (f"fp8-calibrated - fp8-tis {statistics.fmean(cal):+.3f} [{lo:+.3f}, {hi:+.3f}] over 2 "
+    _, lo, hi = hand_interval(cal, floor=_reward_floor(seed_folder, "fp8-calibrated", "fp8-tis", (1, 3)))
+    verdict = "excludes 0" if lo > 0 or hi < 0 else "includes 0"
+    assert (f"fp8-calibrated - fp8-tis {statistics.fmean(cal):+.3f} [{lo:+.3f}, {hi:+.3f}] (floor) over 2 "
             f"seeds: interval {verdict}") in q2
     # one paired seed for the full method against L-only: no interval, cannot tell
     assert "fp8-calibrated - fp8-calibrated-l-only" in q3 and "(1 seed: no interval): cannot tell" in q3
@@ -359,9 +375,11 @@ def test_recovery_answer_needs_a_gap_to_recover(s_gap, s_up, s_bf):
     vs_tis = {1: "above FP8 + TIS", 0: "not distinguishable from FP8 + TIS",
               -1: "below FP8 + TIS"}[s_up]
     vs_bf = {1: "above BF16", 0: "not distinguishable from BF16", -1: "below BF16"}[s_bf]
-    if s_gap >= 0:
-        gap = "FP8 + TIS is ahead of BF16" if s_gap > 0 else "FP8 + TIS is not distinguishable from BF16"
-        assert head == f"no gap to recover: {gap}; Calibrated Clipping is {vs_tis} and {vs_bf}"
+    if s_gap >= 0:  # 'cannot tell' is not 'no gap': the deficit the interval leaves open is named
+        gap = ("no gap to recover: FP8 + TIS is ahead of BF16" if s_gap > 0 else
+               "no measured gap to recover: FP8 + TIS is not distinguishable from BF16, a deficit "
+               "down to -0.050 not excluded")
+        assert head == f"{gap}; Calibrated Clipping is {vs_tis} and {vs_bf}"
         assert "yes" not in head
         return
     if s_up > 0:
@@ -389,7 +407,7 @@ def test_l_or_h_answer_claims_no_more_than_its_intervals(s_l, s_h):
     head = text.split(" (")[0]
     assert "nothing" not in head and "is not above" not in head
     if (s_l, s_h) == (0, 0):
-        assert head == "cannot tell which: neither interval excludes 0"
+        assert head == "no measured effect to attribute: neither interval excludes 0"
         return
     said_l = {1: "L-only is above FP8 + TIS", 0: "L-only is not distinguishable from FP8 + TIS",
               -1: "L-only is below FP8 + TIS"}[s_l]
@@ -400,3 +418,34 @@ def test_l_or_h_answer_claims_no_more_than_its_intervals(s_l, s_h):
               (0, 1): "the wider H", (-1, 1): "the wider H", (0, -1): "neither, and the wider H costs",
               (-1, 0): "neither", (-1, -1): "neither, and the wider H costs"}[(s_l, s_h)]
     assert head.startswith(credit + ":")
+
+
+def test_answers_name_what_else_differs_and_what_the_l_or_h_comparison_also_changes(seed_folder):
+    """Beyond the answers' two metrics, the paired rows whose interval excludes 0 are listed
+    (the synthetic EOS fraction: bf16 0.9, the FP8 arms 0.5 + 0.001 seed; the bounds, set by
+    design, are not); and the full-vs-L-only comparison names its L difference."""
+    from megatron_calibclip.experiment.report_answers import other_findings
+
+    seeds = load_seeds(seed_folder)
+    text = other_findings(seeds)
+    eos = list(_diff(seed_folder, lambda recs: statistics.fmean(r["eos_fraction"] for r in recs if r["step"] >= 80),
+                     "fp8-tis", "bf16", (1, 2, 3)).values())
+    m, lo, hi = hand_interval(eos)
+    assert f"EOS fraction, last 20 steps: fp8-tis - bf16 {m:+.3f} [{lo:+.3f}, {hi:+.3f}]" in text
+    assert "lower bound L" not in text and "upper bound H" not in text
+    assert "training reward" not in text and "held-out" not in text
+    full = answers(seeds)
+    assert "fp8-calibrated - fp8-calibrated-l-only is not H alone" in full and text in full
+
+
+def test_runs_table_gives_minutes_and_the_arm_table_the_largest_mismatch(seed_folder):
+    seeds = load_seeds(seed_folder)
+    # 100 steps of 30 + seed seconds each
+    assert "| 2 | fp8-tis | 0-99 | yes | abc2def012 | 300 | 53 |" in coverage(seeds)
+    path = seed_folder / "seed-1" / "fp8-tis" / "metrics.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    recs[82]["loss/mult_prob_error"] = 11.57  # one step's mismatch spike, hidden by a mean
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    row = [line for line in arm_table(load_seeds(seed_folder)).splitlines()
+           if "largest step" in line][0]
+    assert "(11.5700 / 1.1700 / 1.1800)" in row

@@ -18,10 +18,11 @@ def t_975(df: int) -> float:
     return float(np.interp(0.475, mass, x))
 
 
-def hand_interval(values):
-    """(mean, low, high) of the 95% t-interval, computed without the code under test."""
+def hand_interval(values, floor=0.0):
+    """(mean, low, high) of the 95% t-interval, computed without the code under test; s no
+    smaller than `floor`."""
     m = statistics.fmean(values)
-    half = t_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    half = t_975(len(values) - 1) * max(statistics.stdev(values), floor) / math.sqrt(len(values))
     return m, m - half, m + half
 
 
@@ -41,6 +42,19 @@ def test_t_interval_is_the_hand_computed_one():
     one = t_interval([0.4])
     assert (one.mean, one.low, one.high, one.excludes_zero()) == (0.4, None, None, False)
     assert t_interval([]) is None
+
+
+def test_two_values_that_agree_by_luck_get_the_noise_floor():
+    """+0.011 and +0.010 (s 0.0007) from runs whose values each carry 0.025 of noise: the plain
+    interval excludes 0, the floored one does not, and says it was floored."""
+    plain, floored = t_interval([0.011, 0.010]), t_interval([0.011, 0.010], floor=0.025)
+    assert plain.excludes_zero() and not plain.floored
+    m, lo, hi = hand_interval([0.011, 0.010], floor=0.025)
+    assert (floored.low, floored.high) == (pytest.approx(lo, rel=1e-5), pytest.approx(hi, rel=1e-5))
+    assert floored.floored and not floored.excludes_zero() and lo < 0 < hi
+    wide = t_interval([0.3, -0.2, 0.1], floor=0.025)  # s 0.26 above the floor: the plain interval
+    assert not wide.floored and (wide.low, wide.high) == (t_interval([0.3, -0.2, 0.1]).low,
+                                                          t_interval([0.3, -0.2, 0.1]).high)
 
 
 def test_standard_error_is_std_over_sqrt_n():
