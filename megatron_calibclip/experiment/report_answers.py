@@ -104,7 +104,6 @@ QUESTIONS = (("Does full FP8 + TIS fall behind BF16?", _q1),
              ("Is it the calibrated L or the wider H (the L-only arm)?", _q3))
 
 
-# what the second question's full-vs-L-only comparison also changes, and rows set by design
 DESIGNED = ("lower_late", "upper_late")  # the bounds: the arms differ in them by construction
 
 
@@ -134,7 +133,8 @@ def other_findings(seeds: SeedRuns) -> str:
         if pairs:
             found.append(f"{label}: " + ", ".join(pairs))
     head = ("Other paired differences whose interval excludes 0 (not among the answers' metrics; "
-            "the bounds, set by design, left out): ")
+            "plain t-intervals, without a noise floor, so two seeds that agree by luck count; the "
+            "bounds, set by design, left out): ")
     return head + ("; ".join(found) if found else "none") + "."
 
 
