@@ -171,6 +171,11 @@ def quantity_labels(target: int) -> dict[str, str]:
     }
 
 
+def heldout_used(records: list[dict]) -> list[float]:
+    """The held-out accuracies a run's held-out mean averages: evaluations after HELDOUT_FROM updates."""
+    return [acc for updates, acc in heldout(records) if updates >= HELDOUT_FROM]
+
+
 def run_quantities(records: list[dict], target: int) -> dict[str, Optional[float]]:
     """The quantities of one run (rates over A<0 or A>0 tokens: over the steps that had some)."""
     last = target - WINDOW
@@ -178,7 +183,7 @@ def run_quantities(records: list[dict], target: int) -> dict[str, Optional[float
     def mean(key: str, lo: int, hi: int) -> Optional[float]:
         return mean_of([p for p in values_by_step(records, key) if lo <= p[0] < hi])
 
-    held = [acc for updates, acc in heldout(records) if updates >= HELDOUT_FROM]
+    held = heldout_used(records)
     return {
         "reward_last": mean("reward_mean", last, target),
         "heldout": math.fsum(held) / len(held) if held else None,
@@ -207,7 +212,7 @@ def heldout_noise(records: list[dict]) -> Optional[float]:
     """Within-run noise of the held-out mean: std of the evaluations after HELDOUT_FROM updates
     / sqrt(their number). Greedy decoding on fixed problems: what moves an evaluation is the
     model between evaluations, as the per-step rewards move within the last 20 steps."""
-    return standard_error([acc for updates, acc in heldout(records) if updates >= HELDOUT_FROM])
+    return standard_error(heldout_used(records))
 
 
 def heldout_problems(records: list[dict]) -> Optional[float]:
