@@ -1,8 +1,8 @@
 """CI runs both legs on one machine whose disk may be small. Stop 34's first CI try ran out of
-space in the 3.12 leg (SmolLM2's 1.6 GB of checkpoints on top of the 3.11 leg's kept temporary files, two
-venvs and pip's cache of the CUDA wheels); its second while installing .venv312 beside the 3.11
-leg's unused .venv. These tests hold what keeps the footprint to one venv and what one test
-needs at a time, and that a failed CI run's tail says what the disk held."""
+space in the 3.12 leg (SmolLM2's 1.6 GB of checkpoints on top of the 3.11 leg's kept temporary
+files, two venvs and pip's cache of the CUDA wheels); its second while installing .venv312
+beside the 3.11 leg's unused .venv. These tests hold what keeps the footprint to one venv and
+what one test needs at a time, and that a failed CI run's tail says what the disk held."""
 from __future__ import annotations
 
 import subprocess

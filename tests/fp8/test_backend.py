@@ -351,7 +351,12 @@ def test_torch_backend_matches_the_emulation_through_the_model(dist_pool, granul
             assert torch.allclose(g_torch[name], grad, rtol=0.05,
                                   atol=0.05 * grad.abs().max().item()), name
         scale = l_emu.abs().max().item()
-        assert torch.allclose(l_torch, l_emu, rtol=1e-5, atol=1e-5 * scale)
+        # Where CPU _scaled_mm is oneDNN's own FP8 GEMM (AMX CPUs), it sums in another order:
+        # an activation may then round to a neighbouring BF16 value and an FP8 code downstream
+        # flip, as on the native path below (measured on a Xeon with AMX, tensorwise: 0.5% of
+        # the logits differ, by at most 1.3e-3 of the largest; delayed and rowwise equal).
+        tol = 1e-5 if _CPU_SCALED_MM_DEQUANTIZES else 2e-2
+        assert torch.allclose(l_torch, l_emu, rtol=tol, atol=tol * scale)
         # the native kernels: scales after the fp32 sum (GPU order), BF16 GEMMs elsewhere
         l_nat, g_nat = out["native"]
         assert torch.allclose(l_nat, l_emu, rtol=2e-2, atol=2e-2 * scale)
@@ -360,8 +365,13 @@ def test_torch_backend_matches_the_emulation_through_the_model(dist_pool, granul
         for name, grad in g_emu.items():
             assert (g_nat[name] - grad).norm() <= 0.1 * grad.norm(), name
         for name, grad in g_emu.items():
-            if granularity != "rowwise":  # (rowwise: BF16 dgrad / wgrad, checked above)
+            if granularity == "rowwise":  # (rowwise: BF16 dgrad / wgrad, checked above)
+                continue
+            if _CPU_SCALED_MM_DEQUANTIZES:
                 assert torch.allclose(g_torch[name], grad, rtol=1e-4, atol=1e-6), name
+            else:  # oneDNN's summation order flips E5M2 codes as the native path does: as
+                # wholes (measured on a Xeon with AMX: <= 4.3% of the norm, asserted 10%)
+                assert (g_torch[name] - grad).norm() <= 0.1 * grad.norm(), name
 
 
 @pytest.mark.parametrize("kw", BACKWARD_CASES, ids=lambda kw: "-".join(map(str, kw.values())))

@@ -1,11 +1,21 @@
 """Recorded outputs of the single-function policy_loss (commit 0bffeb9), for bit-identity.
 
 Why: the loss was rewritten as small terms (issue 26); its behaviour must not move by one
-bit. `python -m tests.rl.policy_loss_reference` was run ONCE at commit 0bffeb9 (before any
-change) and wrote `data/policy_loss_0bffeb9.pt`: every case's inputs and the old code's
+bit. This module, run with the code of commit 0bffeb9 (before any change) first on the import
+path, wrote `data/policy_loss_0bffeb9_<machine>.pt`: every case's inputs and the old code's
 loss, gradients (log-probs, entropy), metrics, counts and extrema, with their key order.
 test_policy_loss_recorded.py replays the stored inputs through today's code and asserts
 torch.equal. Do not re-record against new code: the file is the old code's answer.
+
+One file per kind of CPU (`machine_key()`: ATen's CPU capability and the CPU vendor): the old
+code's own float64 answer differs in the last bits between kinds (measured: 9 of 51 cases, at
+most 3.2 units in the last place, on an AVX-512 Intel Xeon against the AVX2 AMD EPYC
+recording; 19 cases with the Xeon forced to ATen's AVX2 kernels, so the kernels are not all
+ATen's: MKL, which torch's vectorised math may call, picks its code paths by vendor and ISA).
+To add a kind of CPU:
+
+    git worktree add /tmp/calibclip-0bffeb9 0bffeb9
+    PYTHONPATH=/tmp/calibclip-0bffeb9 python tests/rl/policy_loss_reference.py
 
 The cases are the inputs of the hand-derived tests of tests/rl (test_policy_loss.py,
 test_config.py) plus a seeded grid over every option (aggregation mode x correction x
@@ -21,7 +31,30 @@ from typing import Any, Callable
 
 import torch
 
-FIXTURE = Path(__file__).parent / "data" / "policy_loss_0bffeb9.pt"
+DATA = Path(__file__).parent / "data"
+RECORDED_AT = "0bffeb9"
+
+
+def machine_key() -> str:
+    """'AVX2-AuthenticAMD', 'AVX512-GenuineIntel', ...: what the last bits depend on."""
+    vendor = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                vendor = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{torch.backends.cpu.get_cpu_capability()}-{vendor}"
+
+
+def fixture_path(machine: str) -> Path:
+    return DATA / f"policy_loss_{RECORDED_AT}_{machine}.pt"
+
+
+def recorded_machines() -> list[str]:
+    prefix = f"policy_loss_{RECORDED_AT}_"
+    return sorted(p.stem[len(prefix):] for p in DATA.glob(prefix + "*.pt"))
 D = torch.float64
 TENSOR_KEYS = ("logprobs", "old_logprobs", "advantages", "mask")
 
@@ -208,13 +241,18 @@ def run_case(loss_fn: Callable[..., Any], case: dict[str, Any]) -> dict[str, Any
 
 
 def record() -> None:
-    from megatron_calibclip.rl import policy_loss
+    import megatron_calibclip.rl as rl
 
+    if hasattr(rl, "LossInputs"):  # the records came with issue 26's rewrite
+        raise SystemExit(f"{rl.__file__} is the rewritten loss, not commit {RECORDED_AT}'s: put a "
+                         f"checkout of {RECORDED_AT} first on PYTHONPATH (module docstring)")
+    machine = machine_key()
     cases = build_cases()
-    outputs = [run_case(policy_loss, c) for c in cases]
-    FIXTURE.parent.mkdir(exist_ok=True)
-    torch.save({"commit": "0bffeb9", "cases": cases, "outputs": outputs}, FIXTURE)
-    print(f"recorded {len(cases)} cases -> {FIXTURE}")
+    outputs = [run_case(rl.policy_loss, c) for c in cases]
+    path = fixture_path(machine)
+    DATA.mkdir(exist_ok=True)
+    torch.save({"commit": RECORDED_AT, "machine": machine, "cases": cases, "outputs": outputs}, path)
+    print(f"recorded {len(cases)} cases of {rl.__file__} ({machine}) -> {path}")
 
 
 if __name__ == "__main__":
