@@ -5,6 +5,7 @@ beside the 3.11 leg's unused .venv. These tests hold what keeps the footprint to
 what one test needs at a time, and that a failed CI run's tail says what the disk held."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,7 +69,6 @@ def _ci_copy(tmp_path: Path) -> Path:
 
 
 def _run_ci(root: Path, bin_dir: Path, **env: str) -> subprocess.CompletedProcess:
-    import os
     full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", **env}
     return subprocess.run(["bash", str(root / ".ci" / "run")], cwd=root, env=full_env,
                           capture_output=True, text=True, timeout=120)
