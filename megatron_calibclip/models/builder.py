@@ -95,9 +95,19 @@ def build_gpt_model(
     tconfig = to_transformer_config(cfg, params_dtype=params_dtype, **config_extra)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     spec = spec if spec is not None else layer_spec(cfg, backend)
+    block_spec = spec
+    block_norm = getattr(spec, "calibclip_block_norm", None)
+    if block_norm is not None:  # the block's final norm, which no layer spec chooses
+        from megatron.core.transformer.transformer_block import (
+            TransformerBlockSubmodules,
+            get_num_layers_to_build,
+        )
+
+        block_spec = TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(tconfig), layer_norm=block_norm)
     model = GPTModel(
         config=tconfig,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=block_spec,
         vocab_size=cfg.padded_vocab_size(tp),
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
