@@ -31,10 +31,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from megatron_calibclip import compat
 from megatron_calibclip.checkpoint import layout as disk
 from megatron_calibclip.checkpoint.errors import CheckpointError, DamagedCheckpointError
+from megatron_calibclip.checkpoint.extra_state import check_absent_from_checkpoint, load_module_state
 from megatron_calibclip.checkpoint.integrity import damaged_file
 from megatron_calibclip.checkpoint.info import CheckpointInfo, ParallelSizes
 from megatron_calibclip.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -301,17 +303,24 @@ class CheckpointManager:
         load_rng = restore_rng and same_layout
         if load_rng:
             request[RNG_KEY] = ShardedObject(RNG_KEY, None, (world,), (rank,), replica_id=0)
-        try:
-            loaded = dist_checkpointing.load(request, str(folder))
+        try:  # RETURN_UNEXPECTED: what the checkpoint lacks is left out of the load and named
+            loaded, _, absent = dist_checkpointing.load(
+                request, str(folder), strict=StrictHandling.RETURN_UNEXPECTED)
         except Exception as err:  # megatron raises several types; name the folder
             raise CheckpointError(f"cannot load {folder}: {type(err).__name__}: {err}") from err
+        kept = check_absent_from_checkpoint(folder, absent)  # TE extra states only
 
         for key, chunk in zip(model_state, chunks):
-            chunk.load_state_dict(loaded[key], strict=True)
+            kept += load_module_state(chunk, loaded.get(key, {}), f"{folder} into the model")
         for name, module in frozen.items():
             prefix = f"{name}."
-            unwrap_model(module).load_state_dict(
-                {k[len(prefix):]: v for k, v in loaded[f"frozen.{name}"].items()}, strict=True)
+            kept += load_module_state(
+                unwrap_model(module),
+                {k[len(prefix):]: v for k, v in loaded.get(f"frozen.{name}", {}).items()},
+                f"{folder} into {name}")
+        if kept and rank == 0:
+            logger.info("checkpoint %s: %d Transformer Engine extra state(s) not in it, kept as "
+                        "built (e.g. %s)", folder, len(set(kept)), sorted(kept)[0])
         if optimizer is not None:
             optimizer.load_state_dict(loaded["optimizer"])
         payload = loaded[STATE_KEY]
