@@ -14,7 +14,8 @@ from megatron_calibclip.parallel.vocab_parallel import vocab_parallel_logprobs_e
 
 
 def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
-    """0..s-1 for every row (left padding is handled by the attention mask, not positions)."""
+    """0..s-1 for every row: the trainer puts each row's valid tokens first (trainer/layout.py),
+    so they start at 0; elsewhere left padding is handled by the attention mask."""
     b, s = tokens.shape
     return torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
 

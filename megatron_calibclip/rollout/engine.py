@@ -78,13 +78,15 @@ class MegatronRolloutEngine:
             self._sampler_rank = int(t.item())
         return self._sampler_rank
 
-    def _forward(self, tokens: torch.Tensor, mask: torch.Tensor,
+    def _forward(self, tokens: torch.Tensor, mask: torch.Tensor, lead: torch.Tensor,
                  ctx: StaticInferenceContext) -> Optional[torch.Tensor]:
-        """One pipeline pass; returns last-position logits [b, V_padded] on the last stage."""
+        """One pipeline pass; returns last-position logits [b, V_padded] on the last stage.
+        A row's positions count from its first real token (`lead` padding columns before
+        it), as vLLM's and the trainer's do (trainer/layout.py); padding sits at 0, masked."""
         pp = ps.get_pipeline_model_parallel_world_size()
         b, s = tokens.shape
-        positions = (torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-                     + ctx.sequence_len_offset)
+        positions = (torch.arange(s, device=tokens.device).unsqueeze(0)
+                     + ctx.sequence_len_offset - lead.unsqueeze(1)).clamp(min=0)
         if pp > 1 and not ps.is_pipeline_first_stage():
             cfg = self.model.config
             hidden = torch.empty(s, b, cfg.hidden_size, dtype=cfg.pipeline_dtype,
@@ -134,8 +136,8 @@ class MegatronRolloutEngine:
         for i, p in enumerate(prompts):
             tokens[i, width - len(p): width] = torch.tensor(list(p), dtype=torch.long,
                                                             device=device)
-        key_pad = (torch.arange(total, device=device).unsqueeze(0)
-                   < (width - prompt_lengths).unsqueeze(1))
+        lead = width - prompt_lengths  # left padding per row
+        key_pad = torch.arange(total, device=device).unsqueeze(0) < lead.unsqueeze(1)
         logprobs = torch.zeros(b, total - 1, device=device)
         lengths = torch.zeros(b, dtype=torch.long, device=device)
         done = torch.zeros(b, dtype=torch.bool, device=device)
@@ -146,7 +148,8 @@ class MegatronRolloutEngine:
         self.model.eval()
         try:
             with self.precision():
-                logits = self._forward(tokens[:, :width], key_pad[:, None, None, :width], ctx)
+                logits = self._forward(tokens[:, :width], key_pad[:, None, None, :width], lead,
+                                       ctx)
                 ctx.sequence_len_offset += width
                 for j in range(params.max_new_tokens):
                     tok, lp = self._choose(logits, params, generator, b)
@@ -159,7 +162,7 @@ class MegatronRolloutEngine:
                     if j == params.max_new_tokens - 1 or not self._any_rank_running(done):
                         break
                     logits = self._forward(tokens[:, col: col + 1],
-                                           key_pad[:, None, None, : col + 1], ctx)
+                                           key_pad[:, None, None, : col + 1], lead, ctx)
                     ctx.sequence_len_offset += 1
         finally:
             self.model.train(was_training)

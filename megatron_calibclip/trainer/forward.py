@@ -14,6 +14,10 @@ Transformer Engine's FP8 GEMMs need token counts that divide by 16 (32 for MXFP8
 built for them carries `calibclip_token_multiple` (trainer/te_run.py), and every
 micro-batch is then padded on the right (masked keys; under the causal mask no real token
 sees them) and its logits cut back before the loss.
+
+Every micro-batch reaches the model with its valid tokens first (trainer/layout.py: left
+padding rotated behind the tokens, logits rotated back), since TE's cuDNN attention reads a
+padding mask as lengths.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_calibclip.fp8.delayed import batched_amax_reduction
 from megatron_calibclip.models.forward import position_ids_for
 from megatron_calibclip.parallel.devices import model_device
+from megatron_calibclip.trainer.layout import restore_columns, valid_tokens_first
 from megatron_calibclip.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
 
@@ -105,11 +110,14 @@ def run_schedule(model, micro_batches: list[dict], loss_fn: Callable, *, forward
 
     def forward_step(data_iterator, mdl):
         mb = next(data_iterator)
-        tokens, mask = pad_to_multiple(mb["tokens"], mb.get("attention_mask"), multiple)
+        # valid tokens first (trainer/layout.py): the layout every attention backend reads alike
+        tokens, mask, shift = valid_tokens_first(mb["tokens"], mb.get("attention_mask"))
+        tokens, mask = pad_to_multiple(tokens, mask, multiple)
         out = mdl(tokens, position_ids_for(tokens), mask)
 
         def loss_func(logits):
-            logits = logits[:, :seq_length]  # the padding columns (if any) go here
+            # the padding columns (if any) go here; rows back in the batch's own columns
+            logits = restore_columns(logits[:, :seq_length], shift)
             loss, outputs = loss_fn(mb, logits)
             return loss, torch.zeros((), dtype=torch.int, device=loss.device), outputs
 

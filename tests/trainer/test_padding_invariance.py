@@ -93,3 +93,31 @@ def test_padding_invariance_of_logprobs_under_torch_and_cudnn_masks(dist_pool, r
                 worst = (got - ref).abs().max().item()
                 assert worst <= 1e-6, f"{name}, {extra} extra padding, row {i}: {worst:.3g}"
 
+
+def test_padding_invariance_layout_puts_valid_tokens_first_and_restores_columns():
+    """trainer/layout.py against rows moved by hand: tokens from column 0, every masked key at
+    the end (what cuDNN's lengths assume); a dummy row (all masked) stays; logits come back in
+    the batch's own columns, and a gradient through them reaches every original column."""
+    from megatron_calibclip.trainer.layout import restore_columns, valid_tokens_first
+
+    rows = [torch.arange(1, n + 1) * 10 for n in (3, 6, 1)]
+    tokens, mask = _left_padded(rows, extra=2, pad_id=0)
+    tokens = torch.cat([tokens, torch.zeros(1, tokens.shape[1], dtype=torch.long)])
+    mask = torch.cat([mask, torch.ones(1, 1, 1, tokens.shape[1], dtype=torch.bool)])
+    moved, moved_mask, shift = valid_tokens_first(tokens, mask)
+    width = tokens.shape[1]
+    for i, r in enumerate(rows):
+        expected = torch.cat([r, torch.zeros(width - len(r), dtype=torch.long)])
+        assert torch.equal(moved[i], expected)
+        assert moved_mask[i, 0, 0].tolist() == [False] * len(r) + [True] * (width - len(r))
+    assert torch.equal(moved[-1], tokens[-1]) and bool(moved_mask[-1].all())
+
+    logits = moved.float()[..., None].repeat(1, 1, 3).requires_grad_()  # [b, s, v]
+    back = restore_columns(logits, shift)
+    assert torch.equal(back[..., 0].long(), tokens)
+    back.sum().backward()
+    assert torch.equal(logits.grad, torch.ones_like(logits))
+
+    plain = torch.zeros(2, 1, 1, 4, dtype=torch.bool)  # no leading padding: nothing moves
+    t = torch.arange(8).view(2, 4)
+    assert valid_tokens_first(t, plain)[2] is None and valid_tokens_first(t, None)[2] is None
