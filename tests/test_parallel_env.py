@@ -1,4 +1,5 @@
 """Launch environments and their failure modes: clear errors, never a hang."""
+import json
 import os
 import socket
 import subprocess
@@ -170,3 +171,43 @@ def test_two_ranks_start_from_slurm_variables():
     for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, err[-2000:]
         assert f"OK rank={rank} source=slurm tp=2 sum=3.0" in out
+
+
+TIMEOUT_BODY = textwrap.dedent("""
+    import json, torch, torch.distributed as dist
+    from megatron_calibclip.parallel import initialize_distributed, ParallelLayout, teardown
+    from megatron_calibclip.parallel.initialize import _registered_groups
+    from megatron_calibclip.trainer.config import ParallelSection
+    layout = ParallelSection(timeout_minutes={minutes}).layout() if {minutes} else ParallelLayout()
+    initialize_distributed(layout)
+    seen = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for g in _registered_groups()]
+    print(json.dumps(seen))
+    teardown()
+""")
+
+
+@pytest.mark.te_stand_in
+@pytest.mark.parametrize("minutes, expected_s", [(0, 1800.0), (45, 2700.0)],
+                         ids=["default-30-min", "parallel.timeout_minutes-45"])
+def test_timeout_minutes_reaches_every_process_group(minutes, expected_s):
+    """Issue 37 finding 5: the default group's and every megatron group's timeout are the
+    layout's (not torch's rendezvous 300 s); read back from each gloo backend's options."""
+    proc = subprocess.run([sys.executable, "-c", TIMEOUT_BODY.format(minutes=minutes)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={k: v for k, v in os.environ.items()
+                               if not k.startswith(("SLURM_", "MASTER_"))
+                               and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(seen) >= 5, seen  # world, TP, PP, DP, model-parallel, ... groups
+    assert set(seen) == {expected_s}, seen
+
+
+@pytest.mark.te_stand_in
+def test_timeout_minutes_must_be_positive():
+    from megatron_calibclip.config import ConfigError
+    from megatron_calibclip.trainer.config import ParallelSection
+
+    with pytest.raises(ConfigError, match="parallel.timeout_minutes"):
+        ParallelSection(timeout_minutes=0)

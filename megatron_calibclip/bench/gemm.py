@@ -54,7 +54,7 @@ def run_gemm(args: argparse.Namespace) -> int:
 
     from megatron_calibclip.bench.config import load_bench_config
     from megatron_calibclip.fp8.gemm import using_gemm_path
-    from megatron_calibclip.parallel import ParallelLayout, initialize_distributed, teardown
+    from megatron_calibclip.parallel import initialize_distributed, teardown
 
     if args.steps < 1 or args.repeats < 1:
         print("calibclip bench gemm: --steps and --repeats must be >= 1", file=sys.stderr)
@@ -63,7 +63,7 @@ def run_gemm(args: argparse.Namespace) -> int:
     if cfg is None:
         return 2
     t0 = time.perf_counter()
-    initialize_distributed(ParallelLayout(cfg.parallel.tp, cfg.parallel.pp), seed=cfg.run.seed)
+    initialize_distributed(cfg.parallel.layout(), seed=cfg.run.seed)
     try:
         records: dict[str, list[dict]] = {p: [] for p in PATHS}
         for _ in range(args.repeats):

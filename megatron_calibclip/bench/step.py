@@ -52,14 +52,14 @@ def run_step(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from megatron_calibclip.bench.config import load_bench_config
-    from megatron_calibclip.parallel import ParallelLayout, initialize_distributed, teardown
+    from megatron_calibclip.parallel import initialize_distributed, teardown
     from megatron_calibclip.trainer.components import build_components
 
     cfg = load_bench_config(args, "step", ["clipping.mode=calibrated"])
     if cfg is None:
         return 2
     t0 = time.perf_counter()
-    initialize_distributed(ParallelLayout(cfg.parallel.tp, cfg.parallel.pp), seed=cfg.run.seed)
+    initialize_distributed(cfg.parallel.layout(), seed=cfg.run.seed)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             c = build_components(cfg, Path(tmp))

@@ -70,7 +70,7 @@ def run_weight_cache(args: argparse.Namespace) -> int:
 
     from megatron_calibclip.bench.config import load_bench_config
     from megatron_calibclip.fp8.weight_cache import set_weight_cache_policy
-    from megatron_calibclip.parallel import ParallelLayout, initialize_distributed, teardown
+    from megatron_calibclip.parallel import initialize_distributed, teardown
 
     if args.steps < 1:
         print("calibclip bench weight-cache: --steps must be >= 1", file=sys.stderr)
@@ -79,7 +79,7 @@ def run_weight_cache(args: argparse.Namespace) -> int:
     if cfg is None:
         return 2
     t0 = time.perf_counter()
-    initialize_distributed(ParallelLayout(cfg.parallel.tp, cfg.parallel.pp), seed=cfg.run.seed)
+    initialize_distributed(cfg.parallel.layout(), seed=cfg.run.seed)
     try:
         results = {}
         for arm in ARMS:

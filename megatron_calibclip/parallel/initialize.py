@@ -9,6 +9,7 @@ address, and every wait has a timeout.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 from dataclasses import dataclass
@@ -29,9 +30,15 @@ class ParallelLayout:
     tp: int = 1  # tensor-parallel size
     pp: int = 1  # pipeline-parallel size
     cp: int = 1  # context-parallel size
+    # every process group's collective timeout (the default group's and megatron's). Why 30:
+    # at 8B the DP-rank-0 ranks write ~33 GB each while the others wait in the checkpoint
+    # writer's final collective; torch's and megatron's own default is 30 minutes too.
+    timeout_minutes: float = 30.0
 
     def data_parallel_size(self, world_size: int) -> int:
         """DP = world / (TP x PP x CP), or a ParallelLayoutError that names the numbers."""
+        if not self.timeout_minutes > 0:
+            raise ParallelLayoutError(f"timeout_minutes must be > 0, got {self.timeout_minutes}")
         for name, value in (("tensor", self.tp), ("pipeline", self.pp), ("context", self.cp)):
             if value < 1:
                 raise ParallelLayoutError(f"{name}-parallel size must be >= 1, got {value}")
@@ -84,14 +91,15 @@ def initialize_distributed(
     layout: ParallelLayout | None = None,
     *,
     backend: str | None = None,
-    timeout_s: float = 300.0,
+    timeout_s: float | None = None,
     env: DistEnv | None = None,
     seed: int = 1234,
 ) -> DistEnv:
     """Initialise torch.distributed from the launch environment, then megatron's groups.
 
     Returns the DistEnv. Idempotent for torch.distributed: if it is already initialised
-    (e.g. by a test harness) only the model-parallel groups are created.
+    (e.g. by a test harness) only the model-parallel groups are created. `timeout_s` (the
+    rendezvous and every group's timeout) defaults to the layout's `timeout_minutes`.
     """
     layout = layout or ParallelLayout()
     if dist.is_initialized():
@@ -104,7 +112,8 @@ def initialize_distributed(
         backend = backend or default_backend()
         if backend == "nccl":
             torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-        timeout = datetime.timedelta(seconds=timeout_s)
+        timeout = datetime.timedelta(
+            seconds=timeout_s if timeout_s is not None else layout.timeout_minutes * 60)
         if env.source == "single":
             store: dist.Store = dist.HashStore()
         else:
@@ -112,6 +121,8 @@ def initialize_distributed(
         dist.init_process_group(
             backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
         )
+    if timeout_s is not None:  # one timeout for every group, the model-parallel ones too
+        layout = dataclasses.replace(layout, timeout_minutes=timeout_s / 60)
     initialize_model_parallel(layout, seed=seed)
     return env
 
@@ -161,9 +172,26 @@ def initialize_model_parallel(layout: ParallelLayout, *, seed: int = 1234) -> No
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
+        distributed_timeout_minutes=layout.timeout_minutes,
     )
-    _OWNED_GROUPS.extend(g for g in _registered_groups() if g not in before)
+    created = [g for g in _registered_groups() if g not in before]
+    _OWNED_GROUPS.extend(created)
+    _apply_timeout(created, datetime.timedelta(minutes=layout.timeout_minutes))
     model_parallel_cuda_manual_seed(seed)
+
+
+def _apply_timeout(groups: list, timeout: datetime.timedelta) -> None:
+    """Give every group megatron just created the layout's timeout.
+
+    Why: megatron-core 0.16.1 creates EXPERT_DATA_PARALLEL_GROUP_GLOO without its
+    `distributed_timeout_minutes` (parallel_state.py, the expert-DP loop), so that group keeps
+    torch's default whatever the layout asks; torch's own setter fixes it without a patch.
+    """
+    for group in groups:
+        try:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+        except ValueError:  # a group this rank is not in
+            continue
 
 
 def teardown_model_parallel() -> None:

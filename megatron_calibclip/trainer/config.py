@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional, Sequence
 from megatron_calibclip.calibration import CalibrationConfig
 from megatron_calibclip.config import ConfigError
 from megatron_calibclip.fp8 import FP8Recipe
+from megatron_calibclip.parallel import ParallelLayout
 from megatron_calibclip.rl import PolicyLossConfig
 from megatron_calibclip.rollout import SamplingParams
 from megatron_calibclip.rollout.vllm_settings import VllmSettings
@@ -94,10 +95,18 @@ class ModelSection:
 class ParallelSection:
     tp: int = 1  # tensor-parallel size
     pp: int = 1  # pipeline-parallel size
+    # every process group's collective timeout (docs/cluster.md: a checkpoint save at 8B
+    # keeps the DP-rank-1 ranks waiting while the DP-rank-0 ranks write ~33 GB each)
+    timeout_minutes: float = 30.0
 
     def __post_init__(self) -> None:
         _need(self.tp >= 1, "parallel.tp", self.tp, ">= 1")
         _need(self.pp >= 1, "parallel.pp", self.pp, ">= 1")
+        _need(self.timeout_minutes > 0, "parallel.timeout_minutes", self.timeout_minutes, "> 0")
+
+    def layout(self) -> ParallelLayout:
+        """The process-group layout these settings ask for (sizes and timeout)."""
+        return ParallelLayout(self.tp, self.pp, timeout_minutes=self.timeout_minutes)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import yaml
 
 from megatron_calibclip.config import to_dict
 from megatron_calibclip.models import copy_weights
-from megatron_calibclip.parallel import ParallelLayout, initialize_distributed, teardown
+from megatron_calibclip.parallel import initialize_distributed, teardown
 from megatron_calibclip.trainer.calibration_report import (
     calibration_line,
     calibration_records,
@@ -125,7 +125,7 @@ def train(cfg: TrainConfig, *, checkpointer: Optional[Checkpointer] = None,
 def _train(cfg: TrainConfig, checkpointer: Optional[Checkpointer],
            init_distributed: bool) -> dict[str, Any]:
     if init_distributed:
-        initialize_distributed(ParallelLayout(cfg.parallel.tp, cfg.parallel.pp), seed=cfg.run.seed)
+        initialize_distributed(cfg.parallel.layout(), seed=cfg.run.seed)
     rank0 = dist.get_rank() == 0
     run_dir = run_dir_for(cfg)
     _guard_run_dir(run_dir, cfg, checkpointer, rank0)
