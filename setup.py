@@ -25,9 +25,13 @@ EXTRAS = {
     # PyPI package called `apex` is an unrelated web toolkit and must never be installed.
     # Per line (docs/versions.md): megatron-core 0.16.1 declares TE >=2.9,<2.12 (its `dev`
     # extra); 0.19.2 declares TE unpinned (its `te` extra), so the top stays open there.
-    # Neither combination has run with torch 2.13 here (no GPU: docs/gpu.md).
-    "gpu": ['transformer-engine[pytorch]>=2.9,<2.12; python_version < "3.12"',
-            'transformer-engine[pytorch]>=2.9; python_version >= "3.12"'],
+    # One exact release per tested line (fp8/te_install.py TESTED_TE): 2.11.0, the newest that
+    # 0.16.1 admits; 2.18.0, the release the 0.19 line was read against. Install it with
+    # --no-build-isolation (docs/cluster.md): its PyTorch extension is an sdist that pip would
+    # otherwise compile against the newest torch, not ours. Neither has run with torch 2.13
+    # here (no GPU: docs/gpu.md).
+    "gpu": ['transformer-engine[pytorch]==2.11.0; python_version < "3.12"',
+            'transformer-engine[pytorch]==2.18.0; python_version >= "3.12"'],
     # Hugging Face conversion checks and GGUF loading of SmolLM2.
     # (transformers 5: configs use rope_parameters; 4.x would read the wrong RoPE theta)
     "hf": ["transformers>=5", "gguf", "accelerate"],

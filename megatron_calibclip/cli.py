@@ -11,8 +11,6 @@ from typing import Sequence
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    import importlib.util
-
     import torch
 
     import megatron_calibclip
@@ -23,12 +21,13 @@ def _cmd_info(args: argparse.Namespace) -> int:
     # the release from the package metadata: 0.19's `megatron.core.__version__` appends the git
     # commit of any repository its files sit in (a venv inside a clone: "0.19.2+c5395fd")
     version = compat.megatron_version()
-    te = importlib.util.find_spec("transformer_engine") is not None
     print(f"megatron-calibclip {megatron_calibclip.__version__}")
     print(f"torch {torch.__version__} (CUDA available: {torch.cuda.is_available()})")
     print(f"megatron-core {version}: {compat.line_status()} (supported lines: "
           f"{compat.supported_lines_text()}; CPU patch table {patches.MADE_FOR_MEGATRON_CORE})")
-    print(f"transformer-engine: {'installed' if te else 'not installed'}")
+    from megatron_calibclip.fp8.te_install import describe
+
+    print(f"transformer-engine: {describe()}")
     print(f"CPU patches for megatron-core: "
           f"{'needed' if patches.cpu_patches_needed() else 'not needed (CUDA)'}")
     from megatron_calibclip.fp8.backend import resolve_backend

@@ -23,6 +23,7 @@ import torch
 from megatron_calibclip.config import ConfigError
 from megatron_calibclip.fp8 import FP8Recipe
 from megatron_calibclip.fp8.backend import run_backend
+from megatron_calibclip.fp8.te_install import TeInstall, install_problem
 from megatron_calibclip.fp8.te import te_device_problem, te_environment_problem, te_token_multiple
 from megatron_calibclip.models import ModelConfig, emulated_layer_spec, te_layer_spec
 
@@ -50,10 +51,11 @@ def trainer_layer_spec(fp8: FP8Recipe, model_cfg: ModelConfig):
 
 def check_te_run(*, params_dtype: str, rollout_engine: str,
                  recipes_in_use: Iterable[tuple[str, FP8Recipe]],
-                 device: Optional[tuple] = None) -> None:
+                 device: Optional[tuple] = None, install: Optional[TeInstall] = None) -> None:
     """ConfigError (one line) for a TE run that cannot start here. params_dtype: the resolved
     model.params_dtype; recipes_in_use: TrainConfig.fp8_recipes_in_use(). device: (compute
-    capability, torch's CUDA version) of the GPU the run gets; None reads this machine's."""
+    capability, torch's CUDA version) of the GPU the run gets, and install: its TE install
+    (fp8/te_install.py); None reads this machine's."""
     if params_dtype != "bf16":
         raise ConfigError("model.params_dtype: the Transformer Engine path runs BF16 "
                           "parameters (fp32 main parameters in the optimizer), so that its "
@@ -62,6 +64,10 @@ def check_te_run(*, params_dtype: str, rollout_engine: str,
         raise ConfigError("rollout.engine: 'megatron' decodes with our own attention and KV "
                           "cache, not TE's spec; with fp8.backend te set rollout.engine to "
                           "vllm (as the H100 recipes do), or fp8.backend to 'torch'")
+    if install is not None or device is None:  # a TE built for another torch: one line
+        problem = install_problem(install)
+        if problem is not None:
+            raise ConfigError(problem)
     if device is None:
         device = (torch.cuda.get_device_capability(), torch.version.cuda)
     for section, recipe in recipes_in_use:
