@@ -85,13 +85,22 @@ def build_gpt_model(
     spec: Optional[ModuleSpec] = None,
     backend: Optional[str] = None,
     seed: Optional[int] = None,
+    initialize: bool = True,
     **config_extra,
 ) -> GPTModel:
     """One pipeline stage of the model described by `cfg` (pre/post process from PP rank).
 
     seed: if given, weights are drawn by models.init.initialize_weights, so that the same
     seed gives the same full weights at any TP/PP; if None, megatron's own initialisation.
+    initialize=False: no initialisation at all (megatron's perform_initialization=False), for a
+    model whose weights are loaded or copied next: at 32B a random init would draw every
+    rank's shards (with use_cpu_initialization, full-size tensors on the host) only to be
+    overwritten (issue 37, finding 9). Its weights hold whatever memory held until then.
     """
+    if not initialize:
+        if seed is not None:
+            raise ValueError("build_gpt_model: a seed draws weights; initialize=False draws none")
+        config_extra = {**config_extra, "perform_initialization": False}
     tconfig = to_transformer_config(cfg, params_dtype=params_dtype, **config_extra)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     spec = spec if spec is not None else layer_spec(cfg, backend)
@@ -121,9 +130,44 @@ def build_gpt_model(
     model.calibclip_backend = spec_backend(spec)  # "te" | "emulated" | "local": what was built
     if any(getattr(m, "_calibclip_emulated", False) for m in model.modules()):
         install_bf16_boundaries(model)  # a bf16 stack around the emulated linears
+    if not initialize:
+        _mark_tensor_parallel_weights(model)
     if seed is not None:
         initialize_weights(model, cfg, seed)
     return model
+
+
+def _mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """The TP attributes (tensor_model_parallel, partition_dim, partition_stride) of megatron's
+    local parallel layers' weights, which megatron-core sets only inside its weight
+    initialisation (tensor_parallel/layers.py: `_initialize_affine_weight_cpu/_gpu` run under
+    `if config.perform_initialization`); without them the gradient norm would count a TP-sharded
+    weight as replicated, and resharding would cut a gated fc1 wrongly. The stride is the one
+    megatron passes (transformer/mlp.py: 2 for a gated linear unit's fc1, [gate, up] interleaved
+    per rank; 1 elsewhere); tests/trainer/test_load_without_init.py compares every attribute
+    with an initialised build. TE's layers set theirs whatever the flag."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+    from megatron.core.transformer.mlp import MLP
+
+    strides = {}
+    for module in model.modules():
+        if isinstance(module, MLP) and module.config.gated_linear_unit \
+                and not getattr(module.config, "use_kitchen", False):
+            strides[id(module.linear_fc1)] = 2
+    dims = ((ColumnParallelLinear, 0), (RowParallelLinear, 1), (VocabParallelEmbedding, 0))
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter) or hasattr(weight, "tensor_model_parallel"):
+            continue
+        for cls, dim in dims:
+            if isinstance(module, cls):
+                set_tensor_model_parallel_attributes(weight, True, dim, strides.get(id(module), 1))
+                break
 
 
 def build_policy_model(cfg: ModelConfig, *, params_dtype: torch.dtype = torch.float32,

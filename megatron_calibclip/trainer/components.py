@@ -163,7 +163,10 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
     spec = trainer_layer_spec(cfg.fp8, model_cfg)  # megatron's TE spec, or ours (te_run.py)
     bf16_params = cfg.model.resolved_params_dtype() == "bf16"
     device = compute_device()
-    policy = build_policy_model(model_cfg, spec=spec, seed=cfg.run.seed,
+    # with model.load the weights come next: no rank draws an init to overwrite (finding 9)
+    loads = cfg.model.load is not None
+    policy = build_policy_model(model_cfg, spec=spec, seed=None if loads else cfg.run.seed,
+                                initialize=not loads,
                                 params_dtype=torch.bfloat16 if bf16_params else torch.float32,
                                 calculate_per_token_loss=True)
     # on the device right after building, before DDP and the optimizer (Megatron-LM's
@@ -175,7 +178,8 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
 
         load_weights(cfg.model.load, policy)  # converted HF weights or an earlier run
     ref_dtype = torch.bfloat16 if cfg.model.reference_dtype == "bf16" else torch.float32
-    reference = place_on_device(build_reference_model(model_cfg, dtype=ref_dtype, spec=spec), device)
+    reference = place_on_device(  # no init of its own: the policy's weights are copied in
+        build_reference_model(model_cfg, dtype=ref_dtype, spec=spec, initialize=False), device)
     copy_weights(policy, reference)
     set_precision(reference, "bf16" if ref_dtype == torch.bfloat16 else "fp32")
     set_precision(policy, cfg.precision, cfg.fp8)
