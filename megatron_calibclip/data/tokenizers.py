@@ -19,6 +19,8 @@ class TokenizerError(ValueError):
 class Tokenizer(Protocol):
     vocab_size: int  # ids are in [0, vocab_size)
     eos_id: int  # ends a response
+    stop_ids: tuple[int, ...]  # every id that ends a response: eos_id first, then the model's
+    # generation_config.json eos_token_id(s) (Qwen3: <|im_end|> and <|endoftext|>)
     pad_id: int  # fills batches; never a target (masked)
     bos_id: int | None  # prepended to prompts when the model expects it, else None
 
@@ -45,6 +47,7 @@ class SentencePieceTokenizer:
         self.eos_id = int(self._sp.eos_id())
         if self.eos_id < 0:
             raise TokenizerError(f"{p} defines no EOS piece (train it with eos_id >= 0)")
+        self.stop_ids = (self.eos_id,)
         pad = int(self._sp.pad_id())
         self.pad_id = pad if pad >= 0 else self.eos_id
         bos = int(self._sp.bos_id())
@@ -81,6 +84,7 @@ class HFTokenizer:
         if self._tok.eos_token_id is None:
             raise TokenizerError(f"{p}: the tokenizer has no eos_token")
         self.eos_id = int(self._tok.eos_token_id)
+        self.stop_ids = generation_stop_ids(p, self.eos_id)
         pad = self._tok.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_id
         self.bos_id = None  # HF tokenizers add their own special tokens in encode
@@ -96,6 +100,28 @@ class HFTokenizer:
         return self._tok.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
+
+
+def generation_stop_ids(folder: str | Path, eos_id: int) -> tuple[int, ...]:
+    """eos_id, then the other ids `generation_config.json` ends generation on (its
+    eos_token_id: an int or a list), as transformers' generate and vLLM stop on them.
+
+    Why: an instruct model's tokenizer names one EOS, its generation config several; Qwen3's
+    tokenizer EOS is <|im_end|> while its generation config adds <|endoftext|>, which a model
+    emits where a chat turn would have ended. Stopping on the tokenizer's EOS alone lets such a
+    response run on to max_new_tokens (rollout/vllm_engine.py, rollout/engine.py)."""
+    import json
+
+    path = Path(folder) / "generation_config.json"
+    ids = [int(eos_id)]
+    if path.is_file():
+        try:
+            listed = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError) as err:
+            raise TokenizerError(f"{path}: not readable JSON: {err}") from err
+        listed = [listed] if isinstance(listed, int) else list(listed or [])
+        ids += [int(i) for i in listed if int(i) not in ids]
+    return tuple(ids)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -54,11 +54,14 @@ class MegatronRolloutEngine:
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, eos_id: int, pad_id: int,
                  precision: Optional[Callable[[], ContextManager]] = None,
-                 stop_group: Optional[dist.ProcessGroup] = None):
+                 stop_group: Optional[dist.ProcessGroup] = None,
+                 stop_ids: Sequence[int] = ()):
         self.model = model
         self.stop_group = stop_group
         self.vocab_size = vocab_size
         self.eos_id = eos_id
+        # every id that ends a response (the tokenizer's stop_ids: the generation config's)
+        self.stop_ids = tuple(dict.fromkeys([int(eos_id), *map(int, stop_ids)]))
         self.pad_id = pad_id
         self.precision = precision or contextlib.nullcontext
         self._sampler_rank: Optional[int] = None
@@ -158,7 +161,7 @@ class MegatronRolloutEngine:
                     tokens[:, col] = tok
                     logprobs[:, col - 1] = torch.where(done, torch.zeros_like(lp), lp)
                     lengths += (~done).long()
-                    done = done | (tok == self.eos_id)
+                    done = done | torch.isin(tok, torch.tensor(self.stop_ids, device=tok.device))
                     if j == params.max_new_tokens - 1 or not self._any_rank_running(done):
                         break
                     logits = self._forward(tokens[:, col: col + 1],

@@ -88,10 +88,12 @@ def request_seed(seed: int, index: int) -> int:
     return (int(seed) * 1_000_003 + index * 7919 + 1) % (2**63 - 1)
 
 
-def vllm_sampling_params(params: SamplingParams, eos_id: int, seed: int):
+def vllm_sampling_params(params: SamplingParams, eos_id: int, seed: int,
+                         stop_ids: Sequence[int] = ()):
     """Our SamplingParams as vLLM's, one to one: temperature, max_new_tokens -> max_tokens,
-    greedy -> temperature 0, EOS as the only stop token (kept in the output, as ours), the
-    sampled token's log-prob, a per-request seed."""
+    greedy -> temperature 0, EOS and `stop_ids` (the generation config's, data/tokenizers.py)
+    as the stop tokens (kept in the output, as ours), the sampled token's log-prob, a
+    per-request seed."""
     from vllm import SamplingParams as VllmSamplingParams
 
     if params.top_p != 1.0 or params.top_k != 0:
@@ -103,7 +105,8 @@ def vllm_sampling_params(params: SamplingParams, eos_id: int, seed: int):
                          f"got temperature {params.temperature}")
     return VllmSamplingParams(
         temperature=0.0 if params.greedy else params.temperature, top_p=1.0, top_k=0,
-        max_tokens=params.max_new_tokens, logprobs=0, seed=seed, stop_token_ids=[eos_id],
+        max_tokens=params.max_new_tokens, logprobs=0, seed=seed,
+        stop_token_ids=list(dict.fromkeys([int(eos_id), *map(int, stop_ids)])),
         detokenize=False)
 
 
@@ -133,9 +136,11 @@ class VllmRolloutEngine:
     def __init__(self, hf_config: dict[str, Any], settings: VllmSettings, *, precision: str,
                  fp8_granularity: str, eos_id: int, pad_id: int, bos_id: Optional[int],
                  weights: Callable[[], Iterable[HFTensors]], expected_tensors: int,
-                 max_model_len: int, seed: int, device: torch.device) -> None:
+                 max_model_len: int, seed: int, device: torch.device,
+                 stop_ids: Sequence[int] = ()) -> None:
         self.settings = settings
         self.eos_id, self.pad_id = int(eos_id), int(pad_id)
+        self.stop_ids = tuple(stop_ids)
         self.device = device
         self.weights = weights  # replaceable: tests reuse one engine for several models
         self.expected_tensors = expected_tensors
@@ -168,16 +173,23 @@ class VllmRolloutEngine:
 
     # ---- memory on GPUs (vLLM sleep mode; the CPU worker does not support it) -------------
     def _sleep(self) -> None:
-        """Level 1: weights to host memory, KV cache dropped (entrypoints/llm.py LLM.sleep);
-        verl's megatron sharding manager does the same after each rollout."""
-        self.llm.sleep(level=1)
+        """Release weights and KV cache (entrypoints/llm.py LLM.sleep). Level 2 drops the
+        weights (vLLM keeps only the model's buffers, v1/worker/gpu_worker.py): the engine is
+        then stale, so the next generate() syncs first; level 1 copies them to host memory."""
+        level = self.settings.sleep_level
+        self.llm.sleep(level=level)
         self._asleep = {"weights", "kv_cache"}
+        if level == 2:
+            self._stale = True
 
     def _wake(self, tags: list[str]) -> None:
         """Re-allocate what `tags` name ("weights" before a sync, "kv_cache" before a
         generate), so that weights and KV cache are never resident while the trainer runs."""
         todo = [t for t in tags if t in self._asleep]
         if todo:
+            # vLLM allocates through its own CuMem pool, outside torch's caching allocator:
+            # blocks the trainer freed but torch still caches are not there for it to take
+            torch.cuda.empty_cache()
             self.llm.wake_up(tags=todo)
             self._asleep.difference_update(todo)
 
@@ -212,7 +224,7 @@ class VllmRolloutEngine:
         if not indices:
             return {}
         requests = [TokensPrompt(prompt_token_ids=list(map(int, prompts[i]))) for i in indices]
-        sampling = [vllm_sampling_params(params, self.eos_id, request_seed(seed, i))
+        sampling = [vllm_sampling_params(params, self.eos_id, request_seed(seed, i), self.stop_ids)
                     for i in indices]
         with deadline("vLLM generate()", self.settings.timeout_s, "rollout.vllm.timeout_s"):
             self._wake(["weights", "kv_cache"])

@@ -51,9 +51,13 @@ class VllmSettings:
     gpu_memory_utilization: float = 0.35  # GPU: share of the device for weights + KV cache
     enforce_eager: bool = True  # no CUDA graphs / torch.compile (start-up seconds, not minutes)
     enable_prefix_caching: bool = True  # G samples of a prompt share its KV blocks
-    # GPU: offload the engine's weights and drop its KV cache while the trainer runs
-    # (vLLM sleep level 1), woken before each weight sync; ignored on the CPU (unsupported)
+    # GPU: release the engine's weights and KV cache while the trainer runs, woken before each
+    # weight sync; ignored on the CPU (unsupported)
     sleep_between_rollouts: bool = True
+    # 2: drop the weights (the next sync overwrites them anyway; the engine then counts itself
+    # stale, so no generate() ever runs on dropped weights); 1: copy them to host memory and
+    # back, ~16 GB each way per 8B engine for nothing (docs/vllm.md, "Sleep level")
+    sleep_level: int = 2
     sync_bucket_mb: int = 256  # weight sync: gathered HF tensors held at once, MiB
     # a generate() or weight sync that takes longer ends the run with an error (0: never)
     timeout_s: float = 1800.0
@@ -68,6 +72,7 @@ class VllmSettings:
               self.kv_cache_gb, "> 0, or null")
         _need(0 < self.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization",
               self.gpu_memory_utilization, "in (0, 1]")
+        _need(self.sleep_level in (1, 2), "rollout.vllm.sleep_level", self.sleep_level, "1 or 2")
         _need(self.sync_bucket_mb >= 1, "rollout.vllm.sync_bucket_mb", self.sync_bucket_mb, ">= 1")
         _need(self.timeout_s >= 0, "rollout.vllm.timeout_s", self.timeout_s, ">= 0 (0: never)")
 

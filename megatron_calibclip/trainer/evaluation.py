@@ -63,6 +63,7 @@ def evaluation_engine(c) -> RolloutEngine:
     recipe = c.cfg.rollout_recipe if mode == "fp8" else None
     return MegatronRolloutEngine(
         c.policy, c.model_cfg.vocab_size, eos_id=c.tokenizer.eos_id, pad_id=c.tokenizer.pad_id,
+        stop_ids=getattr(c.tokenizer, "stop_ids", ()),
         precision=lambda: precision(c.policy, mode, recipe, batch_amax=True))
 
 

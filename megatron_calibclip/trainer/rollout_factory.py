@@ -41,6 +41,7 @@ def build_rollout_engine(cfg: TrainConfig, model_cfg: ModelConfig, policy: torch
         recipe = cfg.rollout_recipe
         return MegatronRolloutEngine(
             policy, model_cfg.vocab_size, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+            stop_ids=getattr(tokenizer, "stop_ids", ()),
             precision=lambda: precision(policy, cfg.rollout.precision, recipe, batch_amax=True))
     from megatron_calibclip.rollout.vllm_engine import VllmRolloutEngine
 
@@ -51,6 +52,7 @@ def build_rollout_engine(cfg: TrainConfig, model_cfg: ModelConfig, policy: torch
         hf_config_from_model_config(model_cfg, dtype), settings,
         precision=cfg.rollout.precision, fp8_granularity=cfg.rollout_recipe.granularity,
         eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+        stop_ids=getattr(tokenizer, "stop_ids", ()),
         bos_id=getattr(tokenizer, "bos_id", None),
         weights=lambda: hf_weight_buckets(policy, model_cfg, bucket_bytes, dtype),
         expected_tensors=hf_tensor_count(model_cfg),

@@ -78,6 +78,9 @@ def test_sampling_params_map_one_to_one():
     assert (p.temperature, p.max_tokens, p.stop_token_ids, p.logprobs, p.seed) == (
         0.7, 12, [5], 0, 9)
     assert p.top_p == 1.0 and p.top_k in (0, -1) and p.detokenize is False
+    qwen3 = vllm_sampling_params(SamplingParams(), eos_id=151645, seed=9,
+                                 stop_ids=(151645, 151643))  # the generation config's, deduped
+    assert qwen3.stop_token_ids == [151645, 151643]
     g = vllm_sampling_params(SamplingParams(greedy=True, max_new_tokens=3), eos_id=5, seed=1)
     assert g.temperature == 0.0
     with pytest.raises(ValueError, match="full softmax"):
