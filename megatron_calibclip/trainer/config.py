@@ -184,6 +184,30 @@ class AlgorithmSection:
 class ClippingSection:
     mode: Literal["fixed", "calibrated"] = "calibrated"  # fixed [1-eps_low, 1+eps_high] or CC
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)  # K, EMA, clamps
+    # [ours] mode fixed only: clip with these ratio bounds [L, H] instead of the host's
+    # [1 - eps_low, 1 + eps_high] (null: the host's). The BF16 counterfactual (shadow and
+    # phantom clips) still reads eps_low. Why: a control that holds the bounds a calibrated run
+    # averaged, so that a difference to it is the calibration, not merely wider bounds.
+    fixed_lower: Optional[float] = None
+    fixed_upper: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.fixed_lower is not None or self.fixed_upper is not None:
+            _need(self.mode == "fixed", "clipping.mode", self.mode,
+                  "'fixed' when clipping.fixed_lower / fixed_upper are set (calibrated bounds start "
+                  "at clipping.calibration.initial_lower / initial_upper)")
+        if self.fixed_lower is not None:
+            _need(0.0 < self.fixed_lower < 1.0, "clipping.fixed_lower", self.fixed_lower,
+                  "a ratio in (0, 1)")
+        if self.fixed_upper is not None:
+            _need(1.0 < self.fixed_upper and math.isfinite(self.fixed_upper), "clipping.fixed_upper",
+                  self.fixed_upper, "a finite ratio > 1")
+
+    def fixed_bounds(self, host: tuple[float, float]) -> tuple[float, float]:
+        """The bounds of fixed clipping: the set ones, else the host's (1 - eps_low, 1 + eps_high)."""
+        lower = host[0] if self.fixed_lower is None else self.fixed_lower
+        upper = host[1] if self.fixed_upper is None else self.fixed_upper
+        return lower, upper
 
 
 @dataclass

@@ -203,7 +203,7 @@ def train_step(c: Components, step: int,
     timer = Timer()
     stats: dict[str, Any] = {"step": step}
     lower, upper = (c.clipper.begin_step(step) if c.clipper is not None
-                    else c.cfg.loss.default_bounds)
+                    else c.cfg.clipping.fixed_bounds(c.cfg.loss.default_bounds))
     calibrating = c.clipper is not None and c.clipper.is_calibration_step(step)
     data = collect(c, step, timer, stats)
     if data is None:

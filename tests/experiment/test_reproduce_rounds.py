@@ -75,7 +75,7 @@ def _config(exp, arm, round_name=None, seed=None):
 
 def test_the_committed_second_round_is_the_first_plus_bf16_evaluation_and_the_seed():
     exp = load_experiment(COMMITTED)
-    first, second = exp.select_round(), exp.select_round(seed=7)
+    first, second = exp.select_round(), exp.select_round("second", seed=7)
     assert (first.name, list(first.arms)) == ("first", FIRST_ROUND)  # the round that ran in 2026-12
     assert (second.name, second.seeded) == ("second", True)
     assert list(second.arms) == ["bf16", "fp8-tis", "fp8-calibrated", "fp8-calibrated-l-only"]
@@ -83,14 +83,34 @@ def test_the_committed_second_round_is_the_first_plus_bf16_evaluation_and_the_se
         cfg = _config(exp, arm)
         assert cfg.run.seed == 0 and cfg.evaluation.precision == "rollout"
     for arm in ("bf16", "fp8-tis", "fp8-calibrated"):
-        before, after = _flat(_config(exp, arm)), _flat(_config(exp, arm, seed=7))
+        before, after = _flat(_config(exp, arm)), _flat(_config(exp, arm, "second", seed=7))
         changed = {k for k in before if before[k] != after[k]}
         assert changed == {"run.seed", "evaluation.precision"}, (arm, changed)
         assert (after["run.seed"], after["evaluation.precision"]) == (7, "bf16")
-    calibrated, l_only = _flat(_config(exp, "fp8-calibrated", seed=7)), _flat(_config(exp, "fp8-calibrated-l-only", seed=7))
+    calibrated, l_only = (_flat(_config(exp, "fp8-calibrated", "second", seed=7)),
+                          _flat(_config(exp, "fp8-calibrated-l-only", "second", seed=7)))
     assert {k for k in calibrated if calibrated[k] != l_only[k]} == {"run.name", "clipping.calibration.upper_rule"}
     assert (calibrated["clipping.calibration.upper_rule"], l_only["clipping.calibration.upper_rule"]) == \
         ("log_scale", "host")
+
+
+def test_the_committed_third_round_is_fp8_tis_with_the_calibrated_arms_mean_bounds():
+    """Issue 42's control: the round-2 settings, FP8 + TIS, and fixed bounds equal to the mean of the
+    bounds fp8-calibrated had in force over its committed runs (recomputed here from them)."""
+    exp = load_experiment(COMMITTED)
+    third = exp.select_round(seed=7)
+    assert (third.name, list(third.arms)) == ("third", ["fp8-wide-fixed"])
+    tis = _flat(_config(exp, "fp8-tis", "second", seed=7))
+    wide = _flat(_config(exp, "fp8-wide-fixed", "third", seed=7))
+    assert {k for k in tis if tis[k] != wide[k]} == {"run.name", "clipping.fixed_lower", "clipping.fixed_upper"}
+    lower, upper = [], []
+    for path in sorted(COMMITTED.parent.glob("seed-*/fp8-calibrated/metrics.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        lower += [r["clip/lower"] for r in rows]
+        upper += [r["clip/upper"] for r in rows]
+    assert len(lower) == 300  # 3 seeds x 100 steps
+    assert wide["clipping.fixed_lower"] == pytest.approx(sum(lower) / len(lower), abs=5e-4)
+    assert wide["clipping.fixed_upper"] == pytest.approx(sum(upper) / len(upper), abs=5e-4)
 
 
 def test_round_selection_and_its_errors(tmp_path):
