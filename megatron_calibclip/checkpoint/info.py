@@ -48,6 +48,10 @@ class CheckpointInfo:
     format: str = FORMAT  # version of this layout
     megatron_core: str = ""  # megatron-core version that wrote the sharded files
     saved_at: float = field(default_factory=time.time)  # UNIX time of the save
+    # how the optimizer state was written (checkpoint/optimizer_format.py): "plain",
+    # "dp_reshardable", ...; None: no optimizer state, or written before the field existed
+    # (then fully_reshardable, the only format until issue 37)
+    optimizer_format: Optional[str] = None
 
     def model(self) -> Optional[ModelConfig]:
         return None if self.model_config is None else ModelConfig(**self.model_config)

@@ -38,6 +38,15 @@ from megatron_calibclip.checkpoint import layout as disk
 from megatron_calibclip.checkpoint.errors import CheckpointError, DamagedCheckpointError
 from megatron_calibclip.checkpoint.extra_state import check_absent_from_checkpoint, load_module_state
 from megatron_calibclip.checkpoint.integrity import damaged_file
+from megatron_calibclip.checkpoint.optimizer_format import (
+    LEGACY as LEGACY_FORMAT,
+    OPTIMIZER_FORMATS,
+    check_loadable,
+    give_state_for_load,
+    restore_adam_steps,
+    sharded_metadata,
+    written_format,
+)
 from megatron_calibclip.checkpoint.info import CheckpointInfo, ParallelSizes
 from megatron_calibclip.checkpoint.rng import capture_rng_state, restore_rng_state
 from megatron_calibclip.checkpoint.strategy import StrategyName, save_strategy
@@ -47,12 +56,6 @@ logger = logging.getLogger(__name__)
 
 STATE_KEY = "calibclip.state"  # rank 0's step, extra_state and stateful states (one object)
 RNG_KEY = "calibclip.rng"  # one RNG snapshot per rank
-# How megatron lays out optimizer state. "fully_reshardable": the distributed optimizer's
-# state is saved in model space (loadable at any TP/PP/DP; its default in megatron-core 0.16.1,
-# 'fully_sharded_model_space', fails there with "flattened_range is not supported"); no
-# per-sub-optimizer key prefix, so plain and distributed optimizers share keys.
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
-                      "chained_optim_avoid_prefix": True}
 
 
 # Contents tag of a checkpoint whose optimizer had not stepped yet (e.g. DAPO skipped every
@@ -123,9 +126,16 @@ class CheckpointManager:
     """Save and load complete training checkpoints under one root folder (see layout.py)."""
 
     def __init__(self, root: Union[str, os.PathLike], *, keep_last: Optional[int] = None,
-                 strategy: StrategyName = "auto") -> None:
+                 strategy: StrategyName = "auto",
+                 optimizer_format: str = OPTIMIZER_FORMATS[0]) -> None:
+        """optimizer_format: how a distributed optimizer's state is written
+        (checkpoint/optimizer_format.py: dp_reshardable by default)."""
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if optimizer_format not in OPTIMIZER_FORMATS:
+            raise ValueError(f"optimizer_format must be one of {OPTIMIZER_FORMATS}, "
+                             f"got {optimizer_format!r}")
+        self.optimizer_format = optimizer_format
         self.root = Path(root)
         self.keep_last = keep_last
         self.strategy = strategy
@@ -167,11 +177,13 @@ class CheckpointManager:
         model_state = _model_sharded_state(chunks)
         state: dict[str, Any] = dict(model_state)
         contents = ["model", "rng", "extra_state"]
+        fmt = None
         if optimizer is not None and not _optimizer_has_state(optimizer):
             contents.append(FRESH_OPTIMIZER)
         elif optimizer is not None:
+            fmt = written_format(optimizer, self.optimizer_format)
             state["optimizer"] = optimizer.sharded_state_dict(
-                _merged_model_state(model_state), metadata=dict(OPTIMIZER_METADATA))
+                _merged_model_state(model_state), metadata=sharded_metadata(fmt))
             contents.append("optimizer")
         frozen = dict(frozen or {})
         state.update(_frozen_sharded_state(frozen))
@@ -197,6 +209,7 @@ class CheckpointManager:
                 contents=tuple(contents),
                 model_config=None if cfg is None else dataclasses.asdict(cfg),
                 megatron_core=compat.megatron_version(),  # the release, without a git suffix
+                optimizer_format=fmt,
             ).write(tmp)
         dist.barrier()
         committed = [None]
@@ -295,9 +308,13 @@ class CheckpointManager:
         model_state = _model_sharded_state(chunks)
         request: dict[str, Any] = dict(model_state)
         if optimizer is not None:
+            fmt = check_loadable(folder, info.optimizer_format or LEGACY_FORMAT,
+                                 (info.layout.tp, info.layout.pp), optimizer,
+                                 (ParallelSizes.current().tp, ParallelSizes.current().pp))
+            give_state_for_load(optimizer)
             request["optimizer"] = optimizer.sharded_state_dict(
                 _merged_model_state(model_state), is_loading=True,
-                metadata=dict(OPTIMIZER_METADATA))
+                metadata=sharded_metadata(fmt))
         request.update(_frozen_sharded_state(frozen))
         request[STATE_KEY] = ShardedObject(STATE_KEY, None, (1,), (0,), replica_id=rank)
         load_rng = restore_rng and same_layout
@@ -322,7 +339,11 @@ class CheckpointManager:
             logger.info("checkpoint %s: %d Transformer Engine extra state(s) not in it, kept as "
                         "built (e.g. %s)", folder, len(set(kept)), sorted(kept)[0])
         if optimizer is not None:
-            optimizer.load_state_dict(loaded["optimizer"])
+            # no_grad: with fp32 parameters (the CPU) the distributed optimizer's main params
+            # are views of the model's, which an in-place copy under autograd refuses
+            with torch.no_grad():
+                optimizer.load_state_dict(loaded["optimizer"])
+            restore_adam_steps(optimizer, loaded["optimizer"])
         payload = loaded[STATE_KEY]
         for name, obj in stateful.items():
             obj.load_state_dict(payload["stateful"][name])

@@ -12,6 +12,7 @@ import os
 from typing import Any, Optional
 
 from megatron_calibclip.checkpoint.manager import CheckpointManager, Stateful
+from megatron_calibclip.checkpoint.optimizer_format import OPTIMIZER_FORMATS
 
 
 def _stateful(components: Any) -> dict[str, Stateful]:
@@ -31,8 +32,10 @@ def _frozen(components: Any) -> dict[str, Any]:
 class TrainerCheckpointer:
     """`train(cfg, checkpointer=TrainerCheckpointer(run_dir / "checkpoints"))`."""
 
-    def __init__(self, root: os.PathLike | str, *, keep_last: Optional[int] = None) -> None:
-        self.manager = CheckpointManager(root, keep_last=keep_last)
+    def __init__(self, root: os.PathLike | str, *, keep_last: Optional[int] = None,
+                 optimizer_format: str = OPTIMIZER_FORMATS[0]) -> None:
+        self.manager = CheckpointManager(root, keep_last=keep_last,
+                                         optimizer_format=optimizer_format)
 
     def has_checkpoint(self) -> bool:
         return self.manager.latest() is not None

@@ -106,8 +106,8 @@ def _run_recipe(args) -> int:
                         recompute=("none",), offload=(False, True))
     best = recommend(alternatives, args.margin_gib)
     if args.json:
-        print(json.dumps({"recipe": report.to_json(e),
-                          "recommended": report.to_json(best) if best else None}, indent=1))
+        print(json.dumps({"recipe": report.to_json(e, m),
+                          "recommended": report.to_json(best, m) if best else None}, indent=1))
     else:
         print(f"recipe {r.path}: {r.preset} on {r.nodes} node(s) x {r.gpus_per_node} GPUs, "
               f"seq {r.workload.seq_len} (prompt {r.workload.prompt_len}), rollout "
@@ -210,8 +210,8 @@ def _run_search(args) -> int:
                          f"(TP <= {hw.gpus_per_node}, dividing heads/KV groups/FFN)")
     best = recommend(estimates, args.margin_gib)
     if args.json:
-        print(json.dumps({"recommended": report.to_json(best) if best else None,
-                          "layouts": [report.to_json(e) for e in estimates
+        print(json.dumps({"recommended": report.to_json(best, m) if best else None,
+                          "layouts": [report.to_json(e, m) for e in estimates
                                       if e.fits or args.all]}, indent=1))
         return 0 if best else EXIT_NO_FIT
     fitting = [e for e in estimates if e.fits]

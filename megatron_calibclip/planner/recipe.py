@@ -108,7 +108,8 @@ def read_recipe(path: str | Path, overrides: Sequence[str] = ()) -> RecipePlan:
         engine_memory_fraction=float(_get(cfg, "rollout.vllm.gpu_memory_utilization", 0.35)),
         engine_sleeps=bool(_get(cfg, "rollout.vllm.sleep_between_rollouts", True)),
         # fp8: one byte per weight (scales are ~1/16384 of that with 128x128 blocks)
-        engine_weight_bytes=1.0 if str(_get(cfg, "rollout.precision", "fp8")) == "fp8" else 2.0)
+        engine_weight_bytes=1.0 if str(_get(cfg, "rollout.precision", "fp8")) == "fp8" else 2.0,
+        optimizer_format=str(_get(cfg, "optimizer.checkpoint_format", "dp_reshardable")))
     workload = Workload(
         seq_len=prompt_len + response, prompt_len=prompt_len, micro_batch=micro,
         logprob_micro_batch=alg("logprob_micro_batch_size"),

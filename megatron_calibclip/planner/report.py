@@ -6,10 +6,12 @@ must not touch them.
 from __future__ import annotations
 
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, Optional
 
 from megatron_calibclip.models.config import ModelConfig
 from megatron_calibclip.planner.memory import Estimate, estimate
+from megatron_calibclip.planner.params import stage_params
+from megatron_calibclip.planner.save import OPTIMIZER_FORMATS, SaveMemory, save_memory
 from megatron_calibclip.planner.spec import GIB
 from megatron_calibclip.planner.states import DTYPE_BYTES
 
@@ -78,6 +80,7 @@ def breakdown(m: ModelConfig, e: Estimate) -> str:
           (row(f"rollout KV cache ({w.rollout_batch} seqs x {w.seq_len}, {lay.kv_cache_dtype})",
                s.kv_cache),
            row("generation (KV cache + prefill, logits)", s.generation))),
+        *_save_rows(m, e, row),
         f"  peak {e.peak_gib:.1f} GiB in the {s.peak_phase} phase + "
         f"{e.hardware.reserve_gib:.1f} GiB reserve of {e.hardware.gpu_memory_gib:.1f} GiB: "
         + (f"fits, {e.headroom_gib:.1f} GiB spare" if e.fits
@@ -86,8 +89,32 @@ def breakdown(m: ModelConfig, e: Estimate) -> str:
     return "\n".join(lines)
 
 
-def to_json(e: Estimate) -> dict[str, Any]:
+def _save(m: ModelConfig, e: Estimate, fmt: Optional[str] = None) -> SaveMemory:
+    lay = e.layout
+    return save_memory(stage_params(m, lay.tp, lay.pp, e.worst.stage), lay,
+                       fmt or lay.optimizer_format)
+
+
+def _save_rows(m: ModelConfig, e: Estimate, row) -> list[str]:
+    """A checkpoint save's memory on the most loaded rank, and the other formats'."""
+    save = _save(m, e)
+    others = ""
+    if e.layout.distributed_optimizer:
+        others = "; " + ", ".join(
+            f"{f}: {_save(m, e, f).host_peak / GIB:.1f}" for f in OPTIMIZER_FORMATS
+            if f != save.format) + " GiB"
+    return [row(f"checkpoint save, host ({save.format})", save.host_peak,
+                f"staged {save.staged_host / GIB:.1f} + gathered {save.gather_host / GIB:.1f}"
+                + others),
+            row("checkpoint save, GPU beyond the states", save.gather_gpu,
+                "the optimizer gather's buffers" if save.gather_gpu else "no gather")]
+
+
+def to_json(e: Estimate, m: Optional[ModelConfig] = None) -> dict[str, Any]:
+    """The estimate as JSON; with the model config `m`, the checkpoint save's bytes too."""
     s = e.worst
+    save = {} if m is None else {"save": {**asdict(_save(m, e)),
+                                          "host_peak_gib": _save(m, e).host_peak / GIB}}
     return {"model": e.model, "layout": asdict(e.layout), "workload": asdict(e.workload),
             "fits": e.fits, "peak_gib": round(e.peak_gib, 3),
             "headroom_gib": round(e.headroom_gib, 3), "peak_phase": s.peak_phase,
@@ -102,4 +129,4 @@ def to_json(e: Estimate) -> dict[str, Any]:
                         "generation_gib": x.generation / GIB, "kv_cache_gib": x.kv_cache / GIB,
                         "engine_weights_gib": x.engine_weights / GIB,
                         "engine_share_gib": x.engine_share / GIB, "engine_fits": x.engine_fits,
-                        "peak_gib": x.peak / GIB} for x in e.stages]}
+                        "peak_gib": x.peak / GIB} for x in e.stages], **save}

@@ -83,6 +83,10 @@ class Layout:
     engine_memory_fraction: float = 0.35  # vLLM's share of the device (engine: vllm)
     engine_sleeps: bool = True  # vLLM sleep mode: its memory is free outside generation
     engine_weight_bytes: float = 2.0  # per engine parameter: 2 (bf16), ~1 (fp8 rollout)
+    # how a checkpoint writes the distributed optimizer (optimizer.checkpoint_format;
+    # planner/save.py counts the save's host and GPU bytes)
+    optimizer_format: Literal["dp_reshardable", "fully_reshardable",
+                              "fully_reshardable_mem_efficient"] = "dp_reshardable"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):

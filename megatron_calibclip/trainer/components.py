@@ -130,11 +130,13 @@ def _reward_fn(cfg: TrainConfig):
 
 def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
     """Build models, optimizer, data, rollout engine and clipper on this rank."""
-    if cfg.run.checkpoint and cfg.optimizer.distributed and not torch.cuda.is_available():
+    if (cfg.run.checkpoint and cfg.optimizer.distributed and not torch.cuda.is_available()
+            and cfg.optimizer.checkpoint_format != "dp_reshardable"):
         raise ConfigError(
-            "optimizer.distributed: checkpointing megatron's distributed optimizer does not "
-            "work on CPU (megatron-core 0.16.x and 0.19.x gather its state through CUDA); set "
-            "optimizer.distributed=false or run.checkpoint=false")
+            f"optimizer.checkpoint_format: {cfg.optimizer.checkpoint_format} does not work on "
+            f"CPU with optimizer.distributed (megatron-core 0.16.x and 0.19.x gather it through "
+            f"CUDA, and its loader does not fit torch's Adam); use dp_reshardable (the default), "
+            f"optimizer.distributed=false or run.checkpoint=false")
     model_cfg = _model_config(cfg)
     dp_size = ps.get_data_parallel_world_size()
     if cfg.algorithm.prompts_per_step % dp_size:

@@ -219,6 +219,12 @@ class OptimizerSection:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # global gradient-norm clip (0 disables)
     distributed: bool = False  # megatron distributed optimizer (shards states over DP)
+    # how a distributed optimizer's state is checkpointed (checkpoint/optimizer_format.py):
+    # dp_reshardable (default: each rank writes its own shard, no gather; loads at the same
+    # TP x PP, any DP), fully_reshardable (gathered on every DP rank: any layout, ~50 GB host
+    # per rank at 8B), fully_reshardable_mem_efficient (gathered on DP rank 0 over gloo)
+    checkpoint_format: Literal["dp_reshardable", "fully_reshardable",
+                               "fully_reshardable_mem_efficient"] = "dp_reshardable"
 
     def __post_init__(self) -> None:
         _need(self.lr > 0 and math.isfinite(self.lr), "optimizer.lr", self.lr, "a number > 0")

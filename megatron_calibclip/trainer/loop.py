@@ -146,8 +146,9 @@ def _train(cfg: TrainConfig, checkpointer: Optional[Checkpointer],
         if checkpointer is None and cfg.run.checkpoint:
             from megatron_calibclip.checkpoint import TrainerCheckpointer
 
-            checkpointer = TrainerCheckpointer(run_dir / "checkpoints",
-                                               keep_last=cfg.run.keep_checkpoints)
+            checkpointer = TrainerCheckpointer(
+                run_dir / "checkpoints", keep_last=cfg.run.keep_checkpoints,
+                optimizer_format=cfg.optimizer.checkpoint_format)
         start_step = 0
         warmed_up = cfg.warmup.steps > 0 and not _has_checkpoint(checkpointer)
         if warmed_up:  # a resumed run has had it

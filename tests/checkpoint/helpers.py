@@ -5,8 +5,9 @@ import numpy as np
 import torch
 
 
-def build_trainable(cfg, seed: int, lr: float = 1e-2):
-    """Tiny GPTModel + megatron DDP + megatron Adam with gradient clipping, as the trainer."""
+def build_trainable(cfg, seed: int, lr: float = 1e-2, distributed: bool = False):
+    """Tiny GPTModel + megatron DDP + megatron Adam with gradient clipping, as the trainer;
+    distributed: megatron's distributed optimizer (states sharded over DP)."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -19,12 +20,13 @@ def build_trainable(cfg, seed: int, lr: float = 1e-2):
     model = build_policy_model(cfg, seed=seed)
     ddp = DistributedDataParallel(
         model.config,
-        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                      use_distributed_optimizer=distributed),
         model)
     model.config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, clip_grad=1.0, bf16=False,
-                        use_distributed_optimizer=False), [ddp])
+                        use_distributed_optimizer=distributed), [ddp])
     return model, ddp, optimizer
 
 

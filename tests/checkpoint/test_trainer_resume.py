@@ -13,7 +13,7 @@ pytestmark = pytest.mark.dist
 CFG = merge(TINY_TRAIN, {"run": {"tensorboard": False, "plot": False}, "warmup": {"steps": 2}})
 
 
-def _body(rank, world_size, out_dir, k, params_dtype):
+def _body(rank, world_size, out_dir, k, params_dtype, distributed=False):
     from megatron_calibclip.checkpoint.trainer_seam import TrainerCheckpointer
     from megatron_calibclip.config import from_dict
     from megatron_calibclip.trainer import TrainConfig, train
@@ -30,7 +30,8 @@ def _body(rank, world_size, out_dir, k, params_dtype):
                 "reference": full_state(components.reference, cfg.num_layers, cfg.vocab_size,
                                         False)}
 
-    base = merge(CFG, {"model": {"params_dtype": params_dtype}})
+    base = merge(CFG, {"model": {"params_dtype": params_dtype},
+                       "optimizer": {"distributed": distributed}})
     straight_cfg = merge(base, {"run": {"name": "straight", "output_dir": out_dir}})
     straight = train(from_dict(TrainConfig, straight_cfg),
                      checkpointer=Capturing(f"{out_dir}/straight-ckpt"))["records"]
@@ -49,10 +50,14 @@ def _numbers(record):
             for key, value in record.items() if not key.startswith("time/")}
 
 
-@pytest.mark.parametrize("params_dtype", ["fp32", "bf16"])  # bf16: megatron's fp32 main params
-def test_trainer_resume_matches_uninterrupted_run(dist_pool, tmp_path, params_dtype):
+# bf16: megatron's fp32 main params; distributed: its distributed optimizer, checkpointed
+# dp_reshardable (the default, issue 37 finding 6), as the H100 recipes run
+@pytest.mark.parametrize("params_dtype, distributed", [("fp32", False), ("bf16", False),
+                                                       ("bf16", True)],
+                         ids=["fp32", "bf16", "bf16-distributed-optimizer"])
+def test_trainer_resume_matches_uninterrupted_run(dist_pool, tmp_path, params_dtype, distributed):
     k, n = 2, CFG["run"]["steps"]
-    results = dist_pool(2).run(_body, str(tmp_path), k, params_dtype, timeout=600)
+    results = dist_pool(2).run(_body, str(tmp_path), k, params_dtype, distributed, timeout=600)
     for straight, first, second, final_straight, final_resumed in results:
         assert [r["step"] for r in second] == list(range(k, n))
         assert [_numbers(r) for r in first + second] == [_numbers(r) for r in straight]

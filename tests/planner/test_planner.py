@@ -305,3 +305,27 @@ def test_cli_bad_hardware_is_one_line(capsys, flag, value, rule):
     assert _run(["--model", "qwen3-8b", "--gpus", "8", flag, value]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and flag in err and rule in err, err
+
+
+def test_save_memory_per_optimizer_format_by_hand():
+    """planner/save.py against the byte counts read in megatron's source (its docstring), for
+    1e9 parameters on a GPU at DP=4 with bf16 policy and reference: weights 2 + 2 B, the
+    optimizer 12 B per parameter for the whole TP x PP shard."""
+    from megatron_calibclip.checkpoint.optimizer_format import OPTIMIZER_FORMATS as CHECKPOINT_FORMATS
+    from megatron_calibclip.planner.params import StageParams
+    from megatron_calibclip.planner.save import OPTIMIZER_FORMATS, save_memory
+    from megatron_calibclip.planner.spec import Layout
+
+    assert OPTIMIZER_FORMATS == CHECKPOINT_FORMATS
+    p = StageParams(stage=0, layers=1, linear=900_000_000, other=100_000_000)
+    lay = Layout(tp=1, pp=1, dp=4, distributed_optimizer=True)
+    dp_res = save_memory(p, lay, "dp_reshardable")
+    assert (dp_res.written, dp_res.staged_host, dp_res.gather_host, dp_res.gather_gpu) == (
+        16e9, 4e9 + 3e9, 0, 0)
+    full = save_memory(p, lay, "fully_reshardable")
+    assert (full.staged_host, full.gather_host) == (4e9, 12e9)
+    assert full.gather_gpu == 4 * 40_000_000 * 1.25  # one bucket's receive + send buffers
+    lean = save_memory(p, lay, "fully_reshardable_mem_efficient")
+    assert (lean.host_peak, lean.gather_gpu) == (16e9, 0)
+    plain = save_memory(p, Layout(dp=4, distributed_optimizer=False, params_dtype="fp32"))
+    assert (plain.format, plain.staged_host) == ("plain", (4 + 2 + 8) * 1e9)

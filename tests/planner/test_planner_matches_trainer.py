@@ -102,3 +102,73 @@ def test_planner_predicts_the_trainers_bytes(dist_pool, tmp_path, params_dtype):
         assert all((s, b) == (seq, batch) for s, b, _ in first)
         assert sum(n for _, _, n in first) == kv_cache_bytes(
             m, m.num_layers, 2, batch, seq, DTYPE_BYTES[params_dtype])
+
+
+def _measure_save(rank, world_size, cfg_dict):
+    """Tensor bytes this rank's checkpoint save writes (torch's writer sees every shard megatron
+    hands it), and the model config the trainer built."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    from megatron_calibclip.config import from_dict
+    from megatron_calibclip.trainer import TrainConfig, train
+    import megatron_calibclip.trainer.loop as loop
+
+    written, seen = [], {}
+    real_write, real_step = dcp.FileSystemWriter.write_data, loop.train_step
+
+    def write(self, plan, planner):
+        n = 0
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO:  # objects (RNG, counters) are not tensors
+                numel = 1
+                for size in item.tensor_data.chunk.sizes:
+                    numel *= size
+                n += numel * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+        written.append(n)
+        return real_write(self, plan, planner)
+
+    def spy(c, step, **kw):
+        seen["model_cfg"] = c.model_cfg
+        seen["tensors"] = sum(1 for _ in c.policy.parameters())
+        return real_step(c, step, **kw)
+
+    dcp.FileSystemWriter.write_data, loop.train_step = write, spy
+    try:
+        train(from_dict(TrainConfig, cfg_dict))
+    finally:
+        dcp.FileSystemWriter.write_data, loop.train_step = real_write, real_step
+    return {**seen, "written": written}
+
+
+@pytest.mark.parametrize("params_dtype, distributed", [("bf16", True), ("bf16", False),
+                                                       ("fp32", False)],
+                         ids=["bf16-dp_reshardable", "bf16-plain", "fp32-plain"])
+def test_planner_predicts_the_save_bytes_of_the_trainer(dist_pool, tmp_path, params_dtype,
+                                                        distributed):
+    """The most loaded rank writes exactly what the planner counts as the save's staged host
+    bytes (policy + reference weights + the optimizer state; up to the distributed
+    optimizer's alignment padding); the other TP rank writes less by the norms both hold,
+    which torch's planner writes once."""
+    from megatron_calibclip.planner.params import stage_params
+    from megatron_calibclip.planner.save import padding_bound, save_memory
+    from megatron_calibclip.planner.spec import Layout
+
+    cfg = merge(CFG, {"run": {"name": f"save-{params_dtype}-{distributed}", "checkpoint": True,
+                              "save_every": 1, "output_dir": str(tmp_path)},
+                      "model": {"params_dtype": params_dtype},
+                      "optimizer": {"distributed": distributed}})
+    results = dist_pool(2).run(_measure_save, cfg, timeout=600)
+    m = results[0]["model_cfg"]
+    layout = Layout(tp=2, pp=1, dp=1, distributed_optimizer=distributed, precision="bf16",
+                    params_dtype=params_dtype, reference_dtype="bf16")
+    planned = save_memory(stage_params(m, 2, 1, 0), layout)
+    assert planned.format == ("dp_reshardable" if distributed else "plain")
+    assert planned.gather_host == planned.gather_gpu == 0
+    slack = padding_bound(results[0]["tensors"], layout)
+    per_rank = [r["written"] for r in results]
+    assert all(len(w) == 1 for w in per_rank), per_rank  # one save (step 1)
+    most = max(w[0] for w in per_rank)
+    assert planned.staged_host <= most <= planned.staged_host + slack, (per_rank, planned)
+    assert min(w[0] for w in per_rank) < most  # the TP-replicated norms are written once

@@ -159,16 +159,19 @@ def test_gpu_check_holds_parameters_as_the_trainer_would():
 
 
 def test_distributed_optimizer_checkpoints_are_refused_on_the_cpu(tmp_path):
-    """Megatron's distributed optimizer gathers its state through CUDA to checkpoint it (0.16.x
-    and 0.19.x): on the CPU the run stops in one line before building anything."""
+    """Megatron's model-space optimizer formats gather the distributed optimizer's state
+    through CUDA (fully_reshardable) or do not load into torch's Adam (both; 0.16.x and
+    0.19.x): on the CPU the run stops in one line before building anything. dp_reshardable,
+    the default, checkpoints there (tests/checkpoint/test_optimizer_format.py)."""
     from megatron_calibclip.trainer import TrainConfig
     from megatron_calibclip.trainer.components import build_components
 
     if torch.cuda.is_available():
         pytest.skip("the refusal is for machines without CUDA")
-    cfg = from_dict(TrainConfig, merge(CFG, {"optimizer": {"distributed": True},
-                                             "run": {"checkpoint": True}}))
-    with pytest.raises(ConfigError, match=r"optimizer\.distributed: .* does not work on CPU "
-                                          r"\(megatron-core 0\.16\.x and 0\.19\.x"):
+    cfg = from_dict(TrainConfig, merge(CFG, {
+        "optimizer": {"distributed": True, "checkpoint_format": "fully_reshardable"},
+        "run": {"checkpoint": True}}))
+    with pytest.raises(ConfigError, match=r"optimizer\.checkpoint_format: fully_reshardable does "
+                                          r"not work on CPU .*megatron-core 0\.16\.x and 0\.19\.x"):
         build_components(cfg, tmp_path)
     assert list(tmp_path.iterdir()) == []
