@@ -11,10 +11,11 @@ Sections, each independent (a failure is recorded and the others still run); eac
   c_batch_invariance    micro-batch 2 vs 4 log-probs through the trainer's path, on the
                         model the trainer builds here: bf16, tensorwise, blockwise
   f_te_vs_emulation     megatron's TE spec vs our emulated spec on the same weights: FP8
-                        log-probs per TE recipe, and one TE linear vs ours (fwd + bwd)
+                        log-probs per TE recipe, and one TE linear vs ours (fwd + bwd);
+                        left-padded rows vs each row alone on TE's attention (padding)
   e_throughput          training-step throughput FP8 / BF16 of a 1-3B shape, side by side
   d_grpo                GRPO steps of a ~100M random model through the trainer, bf16 and FP8
-                        with Calibrated Clipping
+                        with Calibrated Clipping; rollout vs trainer log-probs bounded
 Every model is built with the trainer's builders (models.build_policy_model with the layer
 spec the trainer would take, its params dtype, models.place_on_device). A case that did not
 run fails (verdict.py), except a CPU limitation in a `--smoke` run on the CPU, listed in the

@@ -27,11 +27,17 @@ from megatron_calibclip.bench.gpu_check.options import CheckOptions
 STEP_KEYS = ("reward_mean", "accuracy", "loss/entropy_mean", "loss/total", "grad_norm",
              "clip/lower", "clip/upper", "clip/next_lower", "clip/next_upper", "calib/ran",
              "calib/fallback", "calib/fallback_reason", "calib/alpha", "loss/phantom_clipfrac",
-             "time/step")
+             "loss/mult_prob_error", "time/step")
 THRESHOLDS = {
     "steps_completed": "all requested steps, in both runs",
     "finite": ["loss/total", "grad_norm", "loss/entropy_mean", "reward_mean"],
     "fp8_calibrations": "a calibration record on every step with step % period == 0",
+    # rollout vs trainer log-probs of the same tokens, every trained step: mean over response
+    # tokens of exp|log p_rollout - log p_old| (rl/correction_term.py). Why these bounds: on
+    # the CPU (same engine family) BF16 runs stay at 1.00-1.03 and emulated-FP8 runs at
+    # 1.00-1.51 (round 2 of the reproduction, 300 steps each); a layout bug such as issue 37's
+    # finding 3 (0.17 nats off on whole rows) puts BF16 far above 1.05
+    "mult_prob_error_max": {"bf16": 1.05, "fp8": 1.6},
 }
 
 
@@ -46,7 +52,9 @@ def write_prompts(path: Path, count: int = 96, seed: int = 0) -> Path:
 
 FP8_SECTION = {"format": "hybrid", "granularity": "tensorwise", "backend": "auto"}
 REFERENCE = ("the trainer's own thresholds: every step completes with finite loss, grad "
-             "norm, entropy and reward; Calibrated Clipping calibrates on every due step")
+             "norm, entropy and reward; the rollout engine's log-probs agree with the "
+             "trainer's (loss/mult_prob_error); Calibrated Clipping calibrates on every due "
+             "step")
 
 
 def trainer_path(opts: CheckOptions) -> tuple[str, str]:
@@ -109,7 +117,12 @@ def run_one(opts: CheckOptions, precision: str, folder: Path, prompts: Path,
     bad = [(r["step"], k) for r in trained for k in THRESHOLDS["finite"] if not _finite(r, k)]
     out["steps_completed"] = len(records)
     out["non_finite"] = bad
-    ok = len(records) == opts.grpo_steps and bool(trained) and not bad
+    bound = THRESHOLDS["mult_prob_error_max"][precision]
+    mismatch = [r.get("loss/mult_prob_error") for r in trained]
+    out["mult_prob_error_max"] = max((m for m in mismatch if m is not None), default=None)
+    mismatch_ok = all(isinstance(m, (int, float)) and math.isfinite(m) and m <= bound
+                      for m in mismatch)
+    ok = len(records) == opts.grpo_steps and bool(trained) and not bad and mismatch_ok
     if precision == "fp8":
         period = opts.grpo_calibration_period
         due = [r["step"] for r in records if r["step"] % period == 0]

@@ -18,6 +18,9 @@ capability 10.0; hybrid format), two comparisons:
 - `linear`: one te.pytorch.Linear under TE's autocast vs our emulated column-parallel
   linear, same BF16 weight, input and output gradient: output, dgrad, wgrad, each within
   the same bound relative to TE's FP8 effect on it.
+And one case of its own, `padding` (gpu_check/padding.py): left-padded rows through the
+trainer's path on the TE spec in BF16 against each row alone (cuDNN reads a padding mask as
+lengths; issue 37, finding 3).
 A recipe this GPU's compute capability lacks is recorded as not supported by this GPU;
 anything else TE refuses is a failure. On the CPU the whole section is not run.
 """
@@ -40,6 +43,7 @@ from megatron_calibclip.bench.gpu_check.common import (
     trainer_logprobs,
 )
 from megatron_calibclip.bench.gpu_check.options import CheckOptions
+from megatron_calibclip.bench.gpu_check.padding import check_padding
 from megatron_calibclip.parallel.devices import HOST
 
 GRANULARITIES = ("tensorwise", "delayed", "blockwise", "mxfp8")
@@ -212,6 +216,18 @@ def check_recipe(opts: CheckOptions, emu_model, cfg, tokens, granularity: str) -
     return out
 
 
+def check_te_padding(opts: CheckOptions, emu_model, cfg) -> dict:
+    """The `padding` case (gpu_check/padding.py) on megatron's TE spec in BF16, the same
+    weights as the other cases: the attention cuDNN runs on this GPU."""
+    from megatron_calibclip.fp8 import set_precision
+
+    te_model, _ = build_gpt(opts.small_model, opts.device, "te", params_dtype=torch.bfloat16)
+    copy_by_checkpoint_names(emu_model, te_model)
+    te_model.eval()
+    set_precision(te_model, "bf16")
+    return check_padding(te_model, cfg, opts.logprob_seq, opts.device)
+
+
 def run(opts: CheckOptions) -> dict:
     head = {"reference": REFERENCE, "thresholds": THRESHOLDS}
     if opts.device != "cuda" or not te_installed():
@@ -232,6 +248,10 @@ def run(opts: CheckOptions) -> dict:
             cases[granularity] = check_recipe(opts, emu_model, cfg, tokens, granularity)
         except Exception as err:  # noqa: BLE001 - one recipe's failure is its own record
             cases[granularity] = case_error(err)
+    try:
+        cases["padding"] = check_te_padding(opts, emu_model, cfg)
+    except Exception as err:  # noqa: BLE001 - its own record
+        cases["padding"] = case_error(err)
     return {**head, "ran": True, "model": vars(opts.small_model), "params_dtype": "bf16",
             "tokens": list(tokens.shape), "format": "hybrid", "cases": cases,
             "passed": cases_passed(cases)}
