@@ -94,6 +94,33 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 2
 
 
+def _cmd_te_env(args: argparse.Namespace) -> int:
+    """NAME=VALUE lines: the variables Transformer Engine must find when it is imported for
+    this config's FP8 recipes (fp8/te.py te_environment). Why a command: TE reads them once,
+    at import, and megatron-core imports TE before our code runs, so the launcher must export
+    them (launch/train.sbatch)."""
+    from megatron_calibclip.config import ConfigError
+    from megatron_calibclip.fp8 import FP8Recipe, te_environment
+    from megatron_calibclip.trainer.config import load_raw_config
+
+    try:
+        raw = load_raw_config(args.config, args.set or [])
+        trainer = FP8Recipe.from_dict(raw.get("fp8") or {})
+        rollout_section = (raw.get("rollout") or {}).get("fp8")
+        rollout = FP8Recipe.from_dict(rollout_section) if rollout_section else trainer
+    except ConfigError as err:
+        print(f"calibclip te-env: invalid configuration: {err}", file=sys.stderr)
+        return 2
+    env: dict[str, str] = {}
+    if raw.get("precision", "bf16") == "fp8":
+        env.update(te_environment(trainer))
+    if (raw.get("rollout") or {}).get("precision") == "fp8":
+        env.update(te_environment(rollout))
+    for name, value in sorted(env.items()):
+        print(f"{name}={value}")
+    return 0
+
+
 def launch_hint(ranks: int, args: argparse.Namespace) -> str:
     """How to start `ranks` processes for this command line (torchrun, srun, launch/local.sh)."""
     sets = " ".join(f"--set {s}" for s in (args.set or []))
@@ -122,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a config value, e.g. --set run.steps=5 (repeatable)")
     p.set_defaults(func=_cmd_train)
+    p = sub.add_parser(
+        "te-env", help="NAME=VALUE lines Transformer Engine must be started with for a config",
+        description="Print the environment variables Transformer Engine reads at import for "
+                    "this config's FP8 scale options (export them before the trainers start; "
+                    "launch/train.sbatch does).")
+    p.add_argument("--config", required=True, help="YAML file or bundled config name")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override (repeatable)")
+    p.set_defaults(func=_cmd_te_env)
     from megatron_calibclip.bench.cli import add_bench_parser
     from megatron_calibclip.checkpoint.cli import add_convert_parser
     from megatron_calibclip.experiment.cli import add_experiment_parser

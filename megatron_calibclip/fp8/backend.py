@@ -129,6 +129,7 @@ def check_backend_supports(backend: str, granularity: str) -> None:
         raise ConfigError(
             f"fp8.backend resolves to 'torch' here, which runs {', '.join(TORCH_GRANULARITIES)} "
             f"scaling; {granularity!r} needs torch's block-scaled GEMMs, not wired yet: "
-            f"install transformer-engine (pip install '.[gpu]'; fp8.backend auto then takes "
-            f"te), or set fp8.granularity to tensorwise or rowwise, or fp8.backend to "
+            f"install transformer-engine built for this torch (pip install "
+            f"--no-build-isolation, docs/cluster.md; fp8.backend auto then takes te), or set "
+            f"fp8.granularity to tensorwise or rowwise, or fp8.backend to "
             f"'emulated' (exact numerics, fp32 GEMMs: slow on a GPU)")

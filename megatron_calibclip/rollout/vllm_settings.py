@@ -110,3 +110,27 @@ def check_vllm_rollout(sampling: SamplingParams, precision: str, fp8_granularity
         _need(fp8_granularity in VLLM_FP8_QUANTIZATION, "rollout.fp8.granularity",
               fp8_granularity, f"one of {sorted(VLLM_FP8_QUANTIZATION)} with "
               f"rollout.engine=vllm (vLLM quantizes online, with current scales)")
+
+
+def check_vllm_block_scales(trainer_recipe, trainer_precision: str, rollout_recipe,
+                            rollout_precision: str) -> None:
+    """ConfigError when a vLLM FP8 rollout and an FP8 trainer, both blockwise, would quantize
+    with different scale formats without the user having chosen so.
+
+    Why: vLLM's `fp8_per_block` scales are fp32 (utils/deep_gemm.py per_block_cast_to_fp8
+    with use_ue8m0=False; fp32 per-token-group activation scales on Hopper), our blockwise
+    recipe's default is TE's, power-of-two scales. Measured on SmolLM2-135M
+    (benchmarks/fp8/bench_block_scale_format.py): the two formats' log-probs differ by 0.32
+    nats per token on average, 1.5x the noise FP8 itself adds (0.21), and that difference
+    would sit in every ratio pi_old / pi_rollout. An explicit fp8.power_of_two_scales: true
+    keeps TE's default, mismatch accepted."""
+    if not (trainer_precision == rollout_precision == "fp8"
+            and trainer_recipe.granularity == rollout_recipe.granularity == "blockwise"):
+        return
+    if trainer_recipe.power_of_two_scales is None:
+        raise ConfigError(
+            "fp8.power_of_two_scales: set it to false with rollout.engine=vllm and blockwise "
+            "FP8, so the trainer's block scales are fp32 like vLLM's fp8_per_block (the "
+            "launch scripts then start Transformer Engine with "
+            "NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1: calibclip te-env); true keeps TE's "
+            "power-of-two default and accepts the mismatch (docs/vllm.md, 'FP8 scales')")

@@ -333,10 +333,15 @@ class TrainConfig:
         if self.rollout.engine == "vllm":
             import torch
 
-            from megatron_calibclip.rollout.vllm_settings import check_vllm_rollout
+            from megatron_calibclip.rollout.vllm_settings import (
+                check_vllm_block_scales,
+                check_vllm_rollout,
+            )
 
             check_vllm_rollout(self.rollout.sampling, self.rollout.precision,
                                self.rollout_recipe.granularity, torch.cuda.is_available())
+            check_vllm_block_scales(self.fp8, self.precision, self.rollout_recipe,
+                                    self.rollout.precision)
         self._check_fp8_backends()
         if self.model.resolved_params_dtype() == "bf16":
             for path, value in (("precision", self.precision),
@@ -413,10 +418,19 @@ RENAMED_CONFIGS["grpo-qwen2.5-32b-h100"] = "qwen3-32b-grpo"
 def load_train_config(path: str, overrides: Sequence[str]) -> TrainConfig:
     """A TrainConfig from a YAML path or a bundled config name (e.g. 'tiny-cpu'), with
     `key.path=value` overrides; every field is checked here (ConfigError, one line)."""
+    from megatron_calibclip.config import from_dict
+
+    return from_dict(TrainConfig, load_raw_config(path, overrides))
+
+
+def load_raw_config(path: str, overrides: Sequence[str]) -> dict:
+    """The config's mapping with overrides applied, before any check (what a tool that reads
+    one section, e.g. `calibclip te-env`, needs on a machine where the whole run would not
+    validate)."""
     from importlib import resources
     from pathlib import Path
 
-    from megatron_calibclip.config import apply_overrides, from_dict, load_yaml
+    from megatron_calibclip.config import apply_overrides, load_yaml
 
     p = Path(path)
     if not p.exists() and not path.endswith((".yaml", ".yml")):
@@ -429,4 +443,4 @@ def load_train_config(path: str, overrides: Sequence[str]) -> TrainConfig:
             raise ConfigError(f"--config {path!r}: no such file and no bundled config of that name"
                               f"{hint} (bundled: {', '.join(names)})")
         p = Path(str(bundled))
-    return from_dict(TrainConfig, apply_overrides(load_yaml(p), list(overrides)))
+    return apply_overrides(load_yaml(p), list(overrides))

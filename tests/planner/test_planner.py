@@ -224,13 +224,17 @@ def _recipe_as_on_an_h100(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_each_recipe_can_run_on_an_h100(recipe):
+def test_each_recipe_can_run_on_an_h100(recipe, monkeypatch):
     """With the gpu extra the trainer builds megatron's TE spec for the recipe, TE expresses
-    it, and the run starts on Hopper (compute capability 9.0, CUDA 12.9)."""
+    it, and the run starts on Hopper (compute capability 9.0, CUDA 12.9), in the environment
+    launch/train.sbatch gives it (`calibclip te-env`: fp8/te.py te_environment)."""
+    from megatron_calibclip.fp8 import te_environment
     from megatron_calibclip.fp8.backend import check_backend_supports, run_backend
     from megatron_calibclip.trainer.te_run import check_te_run, trainer_backend
 
     cfg = _recipe_as_on_an_h100(recipe)
+    for name, value in te_environment(cfg.fp8).items():
+        monkeypatch.setenv(name, value)
     backend, why = run_backend(cfg.fp8.backend, cfg.fp8, machine=H100)
     assert backend == "te", why
     check_backend_supports(backend, cfg.fp8.granularity)
@@ -250,7 +254,7 @@ def test_without_te_an_h100_recipe_is_refused_in_one_line_naming_the_gpu_extra(r
     assert backend == "torch"
     with pytest.raises(ConfigError) as err:
         check_backend_supports(backend, cfg.fp8.granularity)
-    assert "pip install '.[gpu]'" in str(err.value) and "\n" not in str(err.value)
+    assert "--no-build-isolation" in str(err.value) and "\n" not in str(err.value)
 
 
 # --- command line ------------------------------------------------------------------------------

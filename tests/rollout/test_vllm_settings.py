@@ -157,3 +157,23 @@ def test_watchdog_ends_a_hung_call_with_a_clear_line():
     assert ("calibclip: vLLM generate() made no progress for 0.5 s (rollout.vllm.timeout_s)"
             in proc.stderr)
     assert "time.sleep" in proc.stderr or "line 4" in proc.stderr  # the stacks follow
+
+
+def test_vllm_blockwise_fp8_needs_a_chosen_scale_format():
+    """Issue 37 finding 10: vLLM's fp8_per_block scales are fp32; a blockwise FP8 trainer on
+    TE's default (power-of-two scales) would quantize otherwise. Unset: refused in one line;
+    false (the H100 recipes) or an explicit true: accepted."""
+    from megatron_calibclip.config import ConfigError
+    from megatron_calibclip.fp8 import FP8Recipe
+    from megatron_calibclip.rollout.vllm_settings import check_vllm_block_scales
+
+    default = FP8Recipe(granularity="blockwise")
+    with pytest.raises(ConfigError, match=r"fp8\.power_of_two_scales: set it to false .*"
+                                          r"NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1"):
+        check_vllm_block_scales(default, "fp8", default, "fp8")
+    for chosen in (False, True):
+        recipe = FP8Recipe(granularity="blockwise", power_of_two_scales=chosen)
+        check_vllm_block_scales(recipe, "fp8", recipe, "fp8")
+    check_vllm_block_scales(default, "bf16", default, "fp8")  # a BF16 trainer: no pairing
+    tensorwise = FP8Recipe(granularity="tensorwise")
+    check_vllm_block_scales(tensorwise, "fp8", tensorwise, "fp8")
