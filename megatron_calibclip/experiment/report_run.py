@@ -21,6 +21,7 @@ from megatron_calibclip.experiment.report import (BEGIN, END, TABLE_SECTION, loa
 from megatron_calibclip.experiment.report_answers import answers
 from megatron_calibclip.experiment.report_calibrations import calibration_table
 from megatron_calibclip.experiment.report_facts import facts_table
+from megatron_calibclip.experiment.report_limits import limits_section
 from megatron_calibclip.experiment.report_paired import (arm_table, coverage, method_text,
                                                          noise_text, paired_table)
 from megatron_calibclip.experiment.report_samples import (SamplesError, choose, parse_steps,
@@ -29,6 +30,7 @@ from megatron_calibclip.experiment.report_seeds import SeedRuns, load_seeds
 
 FACTS_SECTION, SEEDS_SECTION, SAMPLES_SECTION = ("reproduction-facts", "reproduction-seeds",
                                                  "reproduction-samples")
+LIMITS_SECTION = "reproduction-limits"
 PROG = "calibclip experiment report"
 
 
@@ -109,6 +111,7 @@ def run_report(args: argparse.Namespace) -> int:
         print(f"figure: {plot_seeds(seeds, seeds_png)}")
     sections[SEEDS_SECTION] = seeds_section(seeds, seeds_png, doc_dir)
     sections[SAMPLES_SECTION] = samples
+    sections[LIMITS_SECTION] = limits_section(seeds)
     for text in sections.values():
         print(text + "\n")
     return _write_doc(Path(args.doc), sections) if args.doc else 0

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from megatron_calibclip.experiment.report import TABLE_SECTION, load_arms, markers, report_tables
 from megatron_calibclip.experiment.report_facts import facts_table
-from megatron_calibclip.experiment.report_run import (FACTS_SECTION, SAMPLES_SECTION, SEEDS_SECTION,
-                                                      samples_section, seeds_section)
+from megatron_calibclip.experiment.report_limits import limits_section
+from megatron_calibclip.experiment.report_run import (FACTS_SECTION, LIMITS_SECTION, SAMPLES_SECTION,
+                                                      SEEDS_SECTION, samples_section, seeds_section)
 from megatron_calibclip.experiment.report_seeds import load_seeds
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +31,8 @@ def test_every_generated_section_of_the_document_matches_the_committed_runs():
     figure = DOC.parent / "figures" / "reproduction-seeds.png"
     expected = {TABLE_SECTION: report_tables(arms), FACTS_SECTION: facts_table(arms),
                 SEEDS_SECTION: seeds_section(seeds, figure, DOC.parent),
-                SAMPLES_SECTION: samples_section(seeds, defaults)}
+                SAMPLES_SECTION: samples_section(seeds, defaults),
+                LIMITS_SECTION: limits_section(seeds)}
     for name, text in expected.items():
         assert _committed(name) == text, f"docs/reproduction.md section {name!r} is stale: " \
                                          "run `calibclip experiment report`"
@@ -47,7 +49,8 @@ def test_every_number_of_the_second_reading_is_a_generated_one():
     it quotes (0.054, +0.011, 12.71) stands in a generated section of the document."""
     import re
 
-    generated = "\n".join(_committed(name) for name in (SEEDS_SECTION, SAMPLES_SECTION))
+    generated = "\n".join(_committed(name) for name in (SEEDS_SECTION, SAMPLES_SECTION,
+                                                        LIMITS_SECTION))
     number = r"(?<![\d.])[+-]?\d+\.\d{2,}(?![\d])"  # whole numbers: 0.05 is not in 0.054
     quoted = {n.lstrip("+") for n in re.findall(number, _reading())}
     stands = {n.lstrip("+") for n in re.findall(number, generated)}
