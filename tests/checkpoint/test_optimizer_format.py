@@ -11,7 +11,7 @@ import torch
 from tests.checkpoint.helpers import build_trainable
 from tests.checkpoint.test_manager import MBS, SEQ, _train_step
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.te_stand_in]
 
 
 def _batches(cfg, n):

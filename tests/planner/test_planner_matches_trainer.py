@@ -142,6 +142,7 @@ def _measure_save(rank, world_size, cfg_dict):
     return {**seen, "written": written}
 
 
+@pytest.mark.te_stand_in
 @pytest.mark.parametrize("params_dtype, distributed", [("bf16", True), ("bf16", False),
                                                        ("fp32", False)],
                          ids=["bf16-dp_reshardable", "bf16-plain", "fp32-plain"])
