@@ -24,6 +24,13 @@ class ConfigError(ValueError):
     """A configuration value or key is invalid; the message names the field path."""
 
 
+def need(ok: bool, path: str, value: Any, rule: str) -> None:
+    """One-line ConfigError naming the field, the value and what is allowed (every section's
+    per-field check)."""
+    if not ok:
+        raise ConfigError(f"{path}: {value!r} is invalid; it must be {rule}")
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp)
 

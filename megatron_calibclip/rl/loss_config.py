@@ -12,15 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_calibclip.config import ConfigError
+from megatron_calibclip.config import need as _need
 from megatron_calibclip.rl.aggregation import AGG_MODES, LossAggMode
 from megatron_calibclip.rl.corrections import CORRECTIONS, SEQ_WEIGHTS, SeqWeight
 from megatron_calibclip.rl.kl import KL_TYPES, KLType
-
-
-def _need(ok: bool, field: str, value: object, rule: str) -> None:
-    if not ok:
-        raise ConfigError(f"{field}: {value!r} is invalid; it must be {rule}")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_calibclip.config import ConfigError
+from megatron_calibclip.config import ConfigError, need as _need
 from megatron_calibclip.rollout.sampling import SamplingParams
 
 # Our rollout FP8 recipe's granularity -> vLLM's online FP8 quantization (weights quantized
@@ -75,11 +75,6 @@ class VllmSettings:
         _need(self.sleep_level in (1, 2), "rollout.vllm.sleep_level", self.sleep_level, "1 or 2")
         _need(self.sync_bucket_mb >= 1, "rollout.vllm.sync_bucket_mb", self.sync_bucket_mb, ">= 1")
         _need(self.timeout_s >= 0, "rollout.vllm.timeout_s", self.timeout_s, ">= 0 (0: never)")
-
-
-def _need(ok: bool, path: str, value: object, rule: str) -> None:
-    if not ok:
-        raise ConfigError(f"{path}: {value!r} is invalid; it must be {rule}")
 
 
 def vllm_installed() -> bool:

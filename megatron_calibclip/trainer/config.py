@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence
 
 from megatron_calibclip.calibration import CalibrationConfig
-from megatron_calibclip.config import ConfigError
+from megatron_calibclip.config import ConfigError, need as _need
 from megatron_calibclip.fp8 import FP8Recipe
 from megatron_calibclip.parallel import ParallelLayout
 from megatron_calibclip.rl import PolicyLossConfig
@@ -19,12 +19,6 @@ from megatron_calibclip.rollout.vllm_settings import VllmSettings
 
 Precision = Literal["fp32", "bf16", "fp8"]
 EvalPrecision = Literal["rollout", "fp32", "bf16", "fp8"]
-
-
-def _need(ok: bool, path: str, value: Any, rule: str) -> None:
-    """One-line ConfigError naming the field, the value and what is allowed."""
-    if not ok:
-        raise ConfigError(f"{path}: {value!r} is invalid; it must be {rule}")
 
 
 @dataclass
