@@ -115,5 +115,6 @@ def restore_adam_steps(optimizer: Any, loaded: Any) -> None:
             continue  # FusedAdam's per-group counts: megatron restores them itself
         step = float(steps.pop())
         for param_state in inner.optimizer.state.values():
-            if torch.is_tensor(param_state.get("step")):
-                param_state["step"] = torch.tensor(step, dtype=torch.float32)
+            old = param_state.get("step")
+            if torch.is_tensor(old):  # one tensor each, where torch's Adam keeps it
+                param_state["step"] = torch.tensor(step, dtype=old.dtype, device=old.device)

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import torch
 
+from megatron_calibclip.parallel.devices import HOST
+
 THRESHOLDS = {"max_abs_logprob_diff": 5e-2, "mean_abs_logprob_diff": 2e-3}
 FRACTIONS = (1.0, 0.75, 0.5, 0.3)  # each row's share of the batch width
 
 
 def _rows(vocab: int, width: int, device: str) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(17)
+    gen = torch.Generator(device=HOST).manual_seed(17)  # the same rows on any device
     lengths = [max(4, int(width * f)) for f in FRACTIONS]
-    return [torch.randint(1, vocab, (n,), generator=gen).to(device) for n in lengths]
+    return [torch.randint(1, vocab, (n,), generator=gen, device=HOST).to(device)
+            for n in lengths]
 
 
 def left_padded(rows: list[torch.Tensor], width: int) -> tuple[torch.Tensor, torch.Tensor]:
