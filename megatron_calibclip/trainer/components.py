@@ -217,7 +217,3 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
         dp_size=dp_size, dp_group=ps.get_data_parallel_group(), run_dir=run_dir,
         heldout=heldout,
     )
-
-
-def config_summary(cfg: TrainConfig) -> dict:
-    return dataclasses.asdict(cfg)

@@ -402,13 +402,6 @@ class TrainConfig:
         return self.rollout.fp8 if self.rollout.fp8 is not None else self.fp8
 
 
-# bundled H100 configs replaced by the planned recipes (2026-12-04); the Qwen2.5-32B GRPO
-# config has no successor (its closest is qwen3-32b-grpo)
-RENAMED_CONFIGS = {f"{algorithm}-qwen3-{size}-h100": f"qwen3-{size}-{algorithm}"
-                   for algorithm in ("grpo", "dapo") for size in ("8b", "14b", "32b")}
-RENAMED_CONFIGS["grpo-qwen2.5-32b-h100"] = "qwen3-32b-grpo"
-
-
 def load_train_config(path: str, overrides: Sequence[str]) -> TrainConfig:
     """A TrainConfig from a YAML path or a bundled config name (e.g. 'tiny-cpu'), with
     `key.path=value` overrides; every field is checked here (ConfigError, one line)."""
@@ -432,9 +425,7 @@ def load_raw_config(path: str, overrides: Sequence[str]) -> dict:
         bundled = folder / f"{path}.yaml"
         if not bundled.is_file():
             names = sorted(f.name[: -len(".yaml")] for f in folder.iterdir() if f.name.endswith(".yaml"))
-            renamed = RENAMED_CONFIGS.get(path)
-            hint = f"; it is now {renamed!r}" if renamed else ""
             raise ConfigError(f"--config {path!r}: no such file and no bundled config of that name"
-                              f"{hint} (bundled: {', '.join(names)})")
+                              f" (bundled: {', '.join(names)})")
         p = Path(str(bundled))
     return apply_overrides(load_yaml(p), list(overrides))

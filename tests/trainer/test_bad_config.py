@@ -75,7 +75,7 @@ def test_malformed_yaml_is_file_line_column(text, where, capsys, tmp_path):
 
 @pytest.mark.parametrize("args, words", [
     (["--config", "nonexistent"], ["'nonexistent'", "no bundled config", "tiny-cpu"]),
-    (["--config", "dapo-qwen3-14b-h100"], ["it is now 'qwen3-14b-dapo'"]),
+    (["--config", "dapo-qwen3-14b-h100"], ["'dapo-qwen3-14b-h100'", "qwen3-14b-dapo"]),
     (["--set", "run.foo=1"], ["run", "foo", "allowed keys"]),
 ])
 def test_bench_step_bad_config_is_one_line(args, words, capsys):

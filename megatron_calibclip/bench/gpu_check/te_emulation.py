@@ -1,5 +1,5 @@
 """(f) Transformer Engine against our emulation, on the same weights: does the CPU emulation
-compute what the trainer's TE path computes? (This was tools/fp8_device_check.py.)
+compute what the trainer's TE path computes?
 
 Per FP8 recipe TE runs here (tensorwise, delayed, blockwise on Hopper, mxfp8 from compute
 capability 10.0; hybrid format), two comparisons:
