@@ -95,8 +95,11 @@ def problems(install: TeInstall) -> list[str]:
     if len(set(install.versions.values())) > 1:
         found.append("TE's distributions differ in version ("
                      + ", ".join(f"{k} {v}" for k, v in sorted(install.versions.items())) + ")")
-    if "transformer_engine_torch" not in install.versions:
-        found.append("transformer_engine_torch (TE's PyTorch extension) is not installed")
+    if "transformer_engine_torch" not in install.versions and install.import_error:
+        # a source build (NGC's containers) puts the extension inside the one distribution
+        # `transformer_engine`: missing only when it does not load either
+        found.append(f"transformer_engine_torch (TE's PyTorch extension) is not installed "
+                     f"({install.import_error})")
     torch_major = int(install.torch_cuda.split(".")[0]) if install.torch_cuda else None
     if torch_major is not None:
         cores = [n for n in install.versions if re.fullmatch(r"transformer_engine_cu\d+", n)]

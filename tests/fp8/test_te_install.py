@@ -113,3 +113,15 @@ def test_te_install_tested_versions_are_the_extra_pins():
     for line, marker in (("0.16", '< "3.12"'), ("0.19", '>= "3.12"')):
         pin = f"'transformer-engine[pytorch]=={te_install.TESTED_TE[line]}; python_version {marker}'"
         assert pin in setup, pin
+
+
+def test_te_install_source_build_in_one_distribution_passes(tmp_path, monkeypatch):
+    """NGC's containers build TE from source: one `transformer_engine` distribution holding the
+    extension, no `transformer_engine_torch` one. If it loads, it fits; if not, it is named."""
+    if torch.version.cuda is None:
+        monkeypatch.setattr(torch.version, "cuda", "12.8")
+    _dist(tmp_path, "transformer_engine", "2.11.0+abc1234")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert install_problem(read_install(importer=_loads)) is None
+    problem = install_problem(read_install(importer=_undefined_symbol))
+    assert problem is not None and "transformer_engine_torch" in problem and "\n" not in problem
