@@ -6,7 +6,7 @@ the norms TE's spec makes TENorm, so megatron's load asks for ShardedObjects the
 lacks; and megatron never saves TEDotProductAttention's, so a strict `load_state_dict` sees it
 missing unless TE's own (temporary) post-hook drops it. Megatron-LM's loader relaxes strictness
 for these; we do it for exactly these keys, name them, and let every other absent or surplus key
-fail as before (docs/gpu.md, issue 37 findings 1 and 2).
+fail as before (docs/gpu.md).
 """
 from __future__ import annotations
 

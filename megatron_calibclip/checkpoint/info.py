@@ -50,7 +50,7 @@ class CheckpointInfo:
     saved_at: float = field(default_factory=time.time)  # UNIX time of the save
     # how the optimizer state was written (checkpoint/optimizer_format.py): "plain",
     # "dp_reshardable", ...; None: no optimizer state, or written before the field existed
-    # (then fully_reshardable, the only format until issue 37)
+    # (then fully_reshardable, the only format written before the field)
     optimizer_format: Optional[str] = None
 
     def model(self) -> Optional[ModelConfig]:

@@ -1,6 +1,6 @@
 """How the distributed optimizer's state is laid out in a checkpoint, and when it loads back.
 
-Why a choice, and why `dp_reshardable` by default (issue 37, finding 6): megatron-core's
+Why a choice, and why `dp_reshardable` by default: megatron-core's
 `fully_reshardable` gathers the whole optimizer state onto every DP rank before writing it
 (`get_parameter_state_dp_zero(return_on_all_ranks=True)`, an NCCL all-gather: ~12 GB GPU and
 ~50 GB host per rank at 8B), and a load asks every rank for the whole state too. Its

@@ -1,4 +1,4 @@
-"""What the seeded rounds can and cannot show, as generated numbers (issue 42, item 1).
+"""What the seeded rounds can and cannot show, as generated numbers.
 
 Why a section of its own: a reading that says "Calibrated Clipping removes the phantom clips"
 or "no difference" must rest on figures a reader can recompute: how many of an arm's clipped

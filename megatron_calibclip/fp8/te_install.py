@@ -1,4 +1,4 @@
-"""Was the installed Transformer Engine built for the running torch and CUDA? (issue 37, finding 4)
+"""Was the installed Transformer Engine built for the running torch and CUDA?
 
 Why: TE's PyTorch extension (`transformer_engine_torch`) ships as a source distribution only
 (no wheel of any release on PyPI). Under pip's build isolation it is compiled against the

@@ -95,7 +95,7 @@ def build_gpt_model(
     initialize=False: no initialisation at all (megatron's perform_initialization=False), for a
     model whose weights are loaded or copied next: at 32B a random init would draw every
     rank's shards (with use_cpu_initialization, full-size tensors on the host) only to be
-    overwritten (issue 37, finding 9). Its weights hold whatever memory held until then.
+    overwritten. Its weights hold whatever memory held until then.
     """
     if not initialize:
         if seed is not None:

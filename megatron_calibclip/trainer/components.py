@@ -165,7 +165,7 @@ def build_components(cfg: TrainConfig, run_dir: Path) -> Components:
     spec = trainer_layer_spec(cfg.fp8, model_cfg)  # megatron's TE spec, or ours (te_run.py)
     bf16_params = cfg.model.resolved_params_dtype() == "bf16"
     device = compute_device()
-    # with model.load the weights come next: no rank draws an init to overwrite (finding 9)
+    # with model.load the weights come next: no rank draws an init to overwrite
     loads = cfg.model.load is not None
     policy = build_policy_model(model_cfg, spec=spec, seed=None if loads else cfg.run.seed,
                                 initialize=not loads,

@@ -5,7 +5,7 @@ in one), but attention backends read a padding mask differently. Torch-style mas
 masked key; TE's cuDNN fused attention reduces a `padding_causal` mask to a length per row and
 takes columns [0, len) as the valid ones (models/te_stand_in.py). A left-padded row would
 then attend to its padding and lose its tail, in the policy, the shadow and the reference
-alike, so the calibration would stay self-consistent and hide it (issue 37, finding 3).
+alike, so the calibration would stay self-consistent and hide it.
 
 At the model seam (trainer/forward.py, the one path of old, reference, shadow and update
 passes) each row is rotated so that its leading padding moves behind its tokens, and the

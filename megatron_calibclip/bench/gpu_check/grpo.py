@@ -35,8 +35,8 @@ THRESHOLDS = {
     # rollout vs trainer log-probs of the same tokens, every trained step: mean over response
     # tokens of exp|log p_rollout - log p_old| (rl/correction_term.py). Why these bounds: on
     # the CPU (same engine family) BF16 runs stay at 1.00-1.03 and emulated-FP8 runs at
-    # 1.00-1.51 (round 2 of the reproduction, 300 steps each); a layout bug such as issue 37's
-    # finding 3 (0.17 nats off on whole rows) puts BF16 far above 1.05
+    # 1.00-1.51 (round 2 of the reproduction, 300 steps each); a layout bug such as left
+    # padding read as lengths (0.17 nats off on whole rows) puts BF16 far above 1.05
     "mult_prob_error_max": {"bf16": 1.05, "fp8": 1.6},
 }
 

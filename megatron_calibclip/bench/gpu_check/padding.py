@@ -1,5 +1,5 @@
 """(f, `padding`) Left-padded batches through the trainer's path give each row's own
-log-probs, on the attention the device really runs (issue 37, finding 3).
+log-probs, on the attention the device really runs.
 
 Why on the device: TE's cuDNN fused attention reduces a `padding_causal` mask to one length
 per row and takes columns [0, len) as valid, so a left-padded row would attend to its padding

@@ -20,7 +20,7 @@ capability 10.0; hybrid format), two comparisons:
   the same bound relative to TE's FP8 effect on it.
 And one case of its own, `padding` (gpu_check/padding.py): left-padded rows through the
 trainer's path on the TE spec in BF16 against each row alone (cuDNN reads a padding mask as
-lengths; issue 37, finding 3).
+lengths).
 A recipe this GPU's compute capability lacks is recorded as not supported by this GPU;
 anything else TE refuses is a failure. On the CPU the whole section is not run.
 """
