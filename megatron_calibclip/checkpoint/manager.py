@@ -302,7 +302,8 @@ class CheckpointManager:
             raise CheckpointError(f"{folder} holds no state for {missing} (contents: "
                                   f"{', '.join(info.contents)})")
         rank, world = dist.get_rank(), dist.get_world_size()
-        same_layout = info.layout == ParallelSizes.current()
+        current = ParallelSizes.current()
+        same_layout = info.layout == current
 
         chunks = _chunks(model)
         model_state = _model_sharded_state(chunks)
@@ -310,7 +311,7 @@ class CheckpointManager:
         if optimizer is not None:
             fmt = check_loadable(folder, info.optimizer_format or LEGACY_FORMAT,
                                  (info.layout.tp, info.layout.pp), optimizer,
-                                 (ParallelSizes.current().tp, ParallelSizes.current().pp))
+                                 (current.tp, current.pp))
             give_state_for_load(optimizer)
             request["optimizer"] = optimizer.sharded_state_dict(
                 _merged_model_state(model_state), is_loading=True,
@@ -351,7 +352,7 @@ class CheckpointManager:
             restore_rng_state(loaded[RNG_KEY])
         elif restore_rng and rank == 0:
             logger.warning("checkpoint %s was saved at %s, loading at %s: RNG states not "
-                           "restored", folder, info.layout, ParallelSizes.current())
+                           "restored", folder, info.layout, current)
         return LoadedCheckpoint(folder, int(payload["step"]), dict(payload["extra_state"]),
                                 load_rng, info)
 
